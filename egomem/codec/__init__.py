@@ -1,0 +1,1 @@
+"""Audio codecs (Mimi)."""

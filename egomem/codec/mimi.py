@@ -1,0 +1,332 @@
+"""Mimi, the neural audio codec of Moshi: 24 kHz PCM <-> 8 codebooks at 12.5 Hz (1920 samples/step).
+
+Built from `moshi`'s own classes (`moshi.models.loaders.get_mimi`). Two presets of the same
+architecture:
+  - `full`: the released Mimi shape (79 M parameters); real weights load from a local safetensors.
+  - `tiny`: the same classes with fewer channels and layers, so many streams run in real time on a
+    2-core CPU (DESIGN.md §10: full size streams 4 CPU streams at ~91 ms per 80 ms frame).
+With no weights configured the model is random-initialised from a fixed seed, so every process that
+builds it (the Triton model, the trigger's data builder, tests) produces the same codes.
+
+`MimiStreamPool` holds many concurrent streams in one batched streaming state: each stream owns a
+row (slot); a call executes only the rows it names (moshi's per-row `exec_mask`), so streams never
+see each other's state, and opening/closing a stream resets only its own row.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from egomem.config import MimiConfig
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 24_000
+FRAME_RATE = 12.5
+FRAME_SAMPLES = 1920  # one 80 ms step at 24 kHz
+CARDINALITY = 2048  # codebook size; the dialog LM's audio vocabulary depends on it
+
+
+def mimi_config(preset: str) -> dict:
+    """moshi's Mimi config dict for a preset (the `full` one is moshi's own `_mimi_config`)."""
+    from moshi.models import loaders
+
+    cfg = copy.deepcopy(loaders._mimi_config)
+    if preset == "full":
+        return cfg
+    if preset != "tiny":
+        raise ValueError(f"unknown Mimi preset {preset!r}; allowed: 'tiny', 'full'")
+    dim = 128  # latent width (full: 512); keeps the 8-6-5-4 ratios, so 1920 samples/step is unchanged
+    cfg["seanet"].update(dimension=dim, n_filters=8)
+    cfg["quantizer"].update(dimension=64, n_q=8, input_dimension=dim, output_dimension=dim)
+    cfg["transformer"].update(
+        d_model=dim, num_heads=4, num_layers=2, dim_feedforward=256,
+        input_dimension=dim, output_dimensions=[dim],
+    )
+    return cfg
+
+
+class MimiWeightsError(RuntimeError):
+    """The configured Mimi weights are missing or do not fit the configured architecture."""
+
+
+def build_mimi(cfg: MimiConfig, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build Mimi per config: real weights from `cfg.weights`, else seeded random init (and say so)."""
+    from moshi.models import loaders
+
+    conf = mimi_config(cfg.preset)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = loaders.get_mimi(None, conf, device="cpu", num_codebooks=cfg.num_codebooks)
+        _init_random_codebooks(model)
+    if cfg.weights is None:
+        log.warning(
+            "Mimi: no weights configured (mimi.weights); using a RANDOM-INITIALISED %s Mimi (seed %d). "
+            "Codes are deterministic but carry no speech meaning. Set mimi.weights to a Moshi Mimi "
+            "safetensors file for real audio.", cfg.preset, cfg.seed,
+        )
+    else:
+        load_mimi_weights(model, Path(cfg.weights))
+    model.set_num_codebooks(cfg.num_codebooks)
+    return model.to(device).eval()
+
+
+def _init_random_codebooks(model: torch.nn.Module, seconds: float = 24.0) -> None:
+    """Seed the codebooks of a random-initialised Mimi from its own latents.
+
+    moshi leaves untrained codebooks at zero (k-means fills them during training), which would map
+    every frame to code 0. We run a seeded calibration signal (noise bursts and chirps) through the
+    encoder and draw each residual codebook's centroids from the residual's own distribution,
+    layer after layer (as k-means initialisation would place them near the data). Codes then vary with the input, deterministically.
+    """
+    g = torch.Generator().manual_seed(0)
+    n = int(seconds * SAMPLE_RATE) // FRAME_SAMPLES * FRAME_SAMPLES
+    t = torch.arange(n) / SAMPLE_RATE
+    env = torch.rand(n // FRAME_SAMPLES, generator=g).repeat_interleave(FRAME_SAMPLES)  # per-step loudness
+    freq = 100 + 3000 * torch.rand(n // FRAME_SAMPLES, generator=g).repeat_interleave(FRAME_SAMPLES)
+    wav = env * (0.3 * torch.sin(2 * torch.pi * freq * t) + 0.2 * torch.randn(n, generator=g))
+    with torch.no_grad():
+        emb = model._encode_to_unquantized_latent(wav.view(1, 1, n))  # [1, D, T]
+        q = model.quantizer
+        for rvq in (q.rvq_first, q.rvq_rest):
+            residual = rvq.input_proj(emb)  # [1, d, T]
+            for layer in rvq.vq.layers:
+                x = layer.project_in(residual.transpose(1, 2))[0]  # [T, d]
+                cb = layer._codebook
+                # Gaussian centroids matched to the residual's per-dimension mean/std: spread about as
+                # far apart as the data, so float noise between batch shapes rarely flips a code.
+                centroids = x.mean(0) + x.std(0) * torch.randn(cb.codebook_size, x.shape[1], generator=g)
+                cb.embedding_sum.data.copy_(centroids)
+                cb.cluster_usage.data.fill_(1.0)
+                cb._initialized.data.fill_(1.0)
+                cb.register_buffer("_embedding", None, persistent=False)
+                residual = residual - layer.decode(layer.encode(residual))
+
+
+def load_mimi_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load a Mimi safetensors file strictly; name the file and the first mismatched keys on failure."""
+    if not path.is_file():
+        raise MimiWeightsError(
+            f"Mimi weights file {path} not found (mimi.weights). Put the Moshi Mimi safetensors "
+            f"(e.g. tokenizer-e351c8d8-checkpoint125.safetensors) there, or unset mimi.weights for "
+            f"the random-initialised offline default."
+        )
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    wrong = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or wrong:
+        raise MimiWeightsError(
+            f"Mimi weights {path} do not match the '{model.__class__.__name__}' architecture "
+            f"(is mimi.preset right?): missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"wrong shape {wrong[:5]}"
+        )
+    model.load_state_dict(state, strict=True)
+
+
+class StreamError(ValueError):
+    """A request names a stream the pool cannot serve (unknown, full pool, bad data)."""
+
+
+@dataclass
+class _Stream:
+    slot: int
+    last_used: float
+
+
+class MimiStreamPool:
+    """Many concurrent streaming Mimi encoders/decoders in one batched streaming state.
+
+    Thread-safe: Triton may call `execute` from several threads for one instance.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_streams: int, ttl_s: float = 600.0):
+        self.model = model
+        self.max_streams = max_streams
+        self.ttl_s = ttl_s
+        self.device = next(model.parameters()).device
+        self.num_codebooks = model.num_codebooks
+        self._streams: dict[int, _Stream] = {}
+        self._free = list(range(max_streams - 1, -1, -1))  # pop() hands out low slots first
+        self._lock = threading.Lock()
+        with torch.inference_mode():  # state tensors are inference tensors: create and update them in it
+            model.streaming_forever(max_streams)
+
+    # -- stream lifecycle -------------------------------------------------------------------------
+    def open(self, stream_id: int) -> int:
+        """Open (or re-open from scratch) a stream; returns its slot."""
+        with self._lock:
+            self._reclaim_idle()
+            if stream_id in self._streams:
+                slot = self._streams[stream_id].slot
+            else:
+                if not self._free:
+                    raise StreamError(
+                        f"no free stream slot: all {self.max_streams} Mimi streams are open "
+                        f"(raise mimi.max_streams or close idle streams)"
+                    )
+                slot = self._free.pop()
+            self._streams[stream_id] = _Stream(slot, time.monotonic())
+            self._reset_rows([slot])
+            return slot
+
+    def close(self, stream_id: int) -> None:
+        with self._lock:
+            s = self._streams.pop(stream_id, None)
+            if s is not None:
+                self._free.append(s.slot)
+
+    def is_open(self, stream_id: int) -> bool:
+        return stream_id in self._streams
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def _reclaim_idle(self) -> None:
+        now = time.monotonic()
+        for sid, s in list(self._streams.items()):
+            if now - s.last_used > self.ttl_s:
+                log.info("Mimi: reclaiming stream %d idle for %.0f s", sid, now - s.last_used)
+                del self._streams[sid]
+                self._free.append(s.slot)
+
+    @torch.inference_mode()
+    def _reset_rows(self, slots: list[int]) -> None:
+        mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
+        mask[slots] = True
+        self.model.reset_streaming(mask)
+
+    def _slots(self, stream_ids: list[int]) -> list[int]:
+        if len(set(stream_ids)) != len(stream_ids):
+            raise StreamError("a stream appears twice in one call")
+        out = []
+        for sid in stream_ids:
+            s = self._streams.get(sid)
+            if s is None:
+                raise StreamError(f"unknown stream {sid}: open it first (sequence START)")
+            s.last_used = time.monotonic()
+            out.append(s.slot)
+        return out
+
+    # -- one step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode(self, stream_ids: list[int], pcm: np.ndarray) -> np.ndarray:
+        """pcm float32 [N, 1920] (one 80 ms frame per stream) -> codes int64 [N, num_codebooks]."""
+        pcm = np.asarray(pcm)
+        if pcm.ndim != 2 or pcm.shape != (len(stream_ids), FRAME_SAMPLES):
+            raise StreamError(f"expected PCM of shape [{len(stream_ids)}, {FRAME_SAMPLES}], got {list(pcm.shape)}")
+        if pcm.dtype != np.float32:
+            raise StreamError(f"expected float32 PCM in [-1, 1], got {pcm.dtype}")
+        if not np.isfinite(pcm).all():
+            raise StreamError("PCM contains NaN or Inf")
+        with self._lock:
+            slots = self._slots(stream_ids)
+            x = torch.zeros(self.max_streams, 1, FRAME_SAMPLES, device=self.device)  # [B, C=1, T]
+            x[slots, 0] = torch.from_numpy(pcm).to(self.device)
+            self._set_exec(slots)
+            codes = self.model.encode(x)  # [B, K, 1]
+            return codes[slots, :, 0].to(torch.int64).cpu().numpy()
+
+    @torch.inference_mode()
+    def decode(self, stream_ids: list[int], codes: np.ndarray) -> np.ndarray:
+        """codes int64 [N, num_codebooks] -> pcm float32 [N, 1920]."""
+        codes = np.asarray(codes)
+        if codes.ndim != 2 or codes.shape != (len(stream_ids), self.num_codebooks):
+            raise StreamError(
+                f"expected codes of shape [{len(stream_ids)}, {self.num_codebooks}], got {list(codes.shape)}"
+            )
+        if not np.issubdtype(codes.dtype, np.integer):
+            raise StreamError(f"expected integer codes, got {codes.dtype}")
+        if codes.size and (codes.min() < 0 or codes.max() >= CARDINALITY):
+            raise StreamError(f"codes must lie in [0, {CARDINALITY}), got [{codes.min()}, {codes.max()}]")
+        with self._lock:
+            slots = self._slots(stream_ids)
+            c = torch.zeros(self.max_streams, self.num_codebooks, 1, dtype=torch.long, device=self.device)
+            c[slots, :, 0] = torch.from_numpy(codes.astype(np.int64)).to(self.device)
+            self._set_exec(slots)
+            pcm = self.model.decode(c)  # [B, 1, 1920]
+            return pcm[slots, 0].float().cpu().numpy()
+
+    def _set_exec(self, slots: list[int]) -> None:
+        mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
+        mask[slots] = True
+        self.model.set_exec_mask(mask)
+
+
+@dataclass
+class CodecRequest:
+    """One request to the served codec: a frame to encode and/or codes to decode, for one stream."""
+
+    stream: int
+    start: bool = False  # open (reset) the stream before this frame
+    end: bool = False  # close the stream after this frame
+    pcm: np.ndarray | None = None  # float32 [1920]
+    codes: np.ndarray | None = None  # int64 [num_codebooks]
+
+
+@dataclass
+class CodecResult:
+    codes: np.ndarray | None = None  # int64 [num_codebooks]
+    pcm: np.ndarray | None = None  # float32 [1920]
+
+
+def serve_codec_batch(pool: MimiStreamPool, requests: list[CodecRequest]) -> list[CodecResult | StreamError]:
+    """Run one Triton batch: per-request validation, then ONE batched encode and ONE batched decode
+    over all valid requests. A bad request gets its own error; the others are served."""
+    results: list[CodecResult | StreamError] = [CodecResult() for _ in requests]
+    for i, r in enumerate(requests):
+        try:
+            if r.start:
+                pool.open(r.stream)
+            elif not pool.is_open(r.stream):
+                raise StreamError(f"unknown stream {r.stream}: open it with a sequence START (or it idled out)")
+            if r.pcm is None and r.codes is None:
+                raise StreamError("request carries neither PCM nor CODES_IN")
+            if r.pcm is not None and r.pcm.shape != (FRAME_SAMPLES,):
+                raise StreamError(f"PCM must be one frame of {FRAME_SAMPLES} samples, got shape {list(r.pcm.shape)}")
+            if r.codes is not None and r.codes.shape != (pool.num_codebooks,):
+                raise StreamError(f"CODES_IN must hold {pool.num_codebooks} codes, got shape {list(r.codes.shape)}")
+        except StreamError as e:
+            results[i] = e
+    ok = [i for i, res in enumerate(results) if isinstance(res, CodecResult)]
+    for kind in ("pcm", "codes"):
+        idx = [i for i in ok if getattr(requests[i], kind) is not None]
+        if not idx:
+            continue
+        streams = [requests[i].stream for i in idx]
+        data = np.stack([getattr(requests[i], kind) for i in idx])
+        try:
+            out = pool.encode(streams, data) if kind == "pcm" else pool.decode(streams, data)
+        except StreamError:
+            # One bad row (e.g. NaN, out-of-range code) must not fail the others: retry one by one.
+            out = None
+        for j, i in enumerate(idx):
+            try:
+                row = out[j] if out is not None else (
+                    pool.encode([streams[j]], data[j:j + 1]) if kind == "pcm" else pool.decode([streams[j]], data[j:j + 1])
+                )[0]
+            except StreamError as e:
+                results[i] = e
+                continue
+            res = results[i]
+            if isinstance(res, CodecResult):
+                if kind == "pcm":
+                    res.codes = row
+                else:
+                    res.pcm = row
+    for r in requests:
+        if r.end:
+            pool.close(r.stream)
+    return results

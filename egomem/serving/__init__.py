@@ -1,0 +1,1 @@
+"""Serving base: the tritonserver launcher and the async Triton client."""

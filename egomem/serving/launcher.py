@@ -1,0 +1,298 @@
+"""Start, watch and stop a real `tritonserver` on the project's model repository.
+
+On CPU machines the binary is the one inside the `nvidia-pytriton` wheel (DESIGN.md §5): its
+bundled libraries must be on LD_LIBRARY_PATH, the Python backend lives in a folder we assemble
+from the wheel (backend library + utils + the stub built for this Python), and the virtualenv
+must be active in the server's environment so the stub can import numpy, torch and `egomem`.
+
+The server runs in its own process group; `stop()` (also called on Ctrl-C, at interpreter exit
+and by test fixtures) sends SIGTERM to the group, waits, then SIGKILLs, so no stub is orphaned.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from egomem.config import Config, to_toml
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """tritonserver could not be found, started, or made ready. The message says what to do."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where the pieces of a wheel-shipped Triton live on this machine."""
+
+    binary: Path
+    libs: Path | None  # nvidia_pytriton.libs (bundled shared libraries)
+    python_backend: Path  # folder with libtriton_python.so + triton_python_backend_utils.py
+    stub: Path  # triton_python_backend_stub built for this Python version
+
+
+def find_triton(binary: Path | None = None) -> TritonInstall:
+    """Locate the tritonserver binary and its Python backend; raise LaunchError naming what is missing."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise LaunchError(
+            "the nvidia-pytriton package is not installed; it carries the tritonserver binary. "
+            "Run the README's setup command (or `pip install nvidia-pytriton==0.7.0`)."
+        )
+    root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    binary = binary or root / "bin" / "tritonserver"
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    backend = root / "backends" / "python"
+    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / pyver / "triton_python_backend_stub"
+    for what, path in [("tritonserver binary", binary), ("Python backend", backend / "libtriton_python.so"),
+                       (f"Python backend stub for Python {pyver}", stub)]:
+        if not path.exists():
+            raise LaunchError(f"{what} not found at {path}; reinstall nvidia-pytriton==0.7.0 for Python {pyver}")
+    return TritonInstall(binary, libs if libs.is_dir() else None, backend, stub)
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device is usable (then models get KIND_GPU instances)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # torch missing or broken CUDA runtime: treat as CPU
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TritonServer:
+    """One tritonserver process on the project's model repository (explicit model control).
+
+    Use as a context manager, or `start()` / `stop()`. `models` are loaded at start; more can be
+    loaded later with `load()`.
+    """
+
+    def __init__(self, cfg: Config, models: list[str] | None = None, run_dir: Path | None = None,
+                 env: dict[str, str] | None = None):
+        self.cfg = cfg
+        self.models = list(cfg.server.models if models is None else models)
+        self.run_dir = Path(run_dir or cfg.server.run_dir)
+        self.extra_env = dict(env or {})
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.run_dir / "tritonserver.log"
+        self.device = self._resolve_device()
+
+    # -- addresses ------------------------------------------------------------------------------
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.cfg.server.host}:{self.cfg.server.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.cfg.server.host}:{self.cfg.server.http_port}"
+
+    def _resolve_device(self) -> str:
+        d = self.cfg.server.device
+        if d == "auto":
+            return "cuda" if cuda_available() else "cpu"
+        if d == "cuda" and not cuda_available():
+            raise LaunchError("server.device = 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+        return d
+
+    # -- preparation ----------------------------------------------------------------------------
+    def _prepare(self, inst: TritonInstall) -> tuple[list[str], dict[str, str]]:
+        """Assemble backend folder, rendered repository, resolved config; return argv and env."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        backends = self.run_dir / "backends" / "python"
+        backends.mkdir(parents=True, exist_ok=True)
+        for src in (inst.python_backend / "libtriton_python.so",
+                    inst.python_backend / "triton_python_backend_utils.py", inst.stub):
+            dst = backends / src.name
+            if dst.is_symlink() or dst.exists():
+                dst.unlink()
+            dst.symlink_to(src)
+        repo = self._render_repository()
+        config_path = self.run_dir / "egomem.resolved.toml"
+        config_path.write_text(to_toml(self.cfg))
+
+        argv = [
+            str(inst.binary),
+            f"--model-repository={repo}",
+            f"--backend-directory={self.run_dir / 'backends'}",
+            "--model-control-mode=explicit",
+            *[f"--load-model={m}" for m in self.models],
+            f"--http-port={self.cfg.server.http_port}",
+            f"--grpc-port={self.cfg.server.grpc_port}",
+            f"--metrics-port={self.cfg.server.metrics_port}",
+            f"--http-address={self.cfg.server.host}",
+            f"--grpc-address={self.cfg.server.host}",
+            "--allow-metrics=true",
+            "--strict-readiness=true",
+            "--exit-on-error=false",
+            # Open sequences keep a model "live" at shutdown; don't wait the default 30 s for them.
+            f"--exit-timeout-secs={max(1, int(self.cfg.server.shutdown_timeout_s) // 2)}",
+            f"--log-verbose={self.cfg.server.log_verbose}",
+        ]
+        env = dict(os.environ)
+        libdirs = [str(inst.libs)] if inst.libs else []
+        pylib = sysconfig.get_config_var("LIBDIR")  # this Python's libpython, so the stub embeds the same one
+        if pylib and list(Path(pylib).glob("libpython3*.so*")):
+            libdirs.append(pylib)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libdirs + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+        venv = Path(sys.prefix)
+        env["VIRTUAL_ENV"] = str(venv)
+        env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
+        env["EGOMEM_CONFIG"] = str(config_path)
+        env.setdefault("HF_HUB_OFFLINE", "1")  # models never reach for a hub
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.update(self.extra_env)
+        return argv, env
+
+    def _render_repository(self) -> Path:
+        """Copy config.pbtxt files with the instance kind for this device; link version folders."""
+        src = Path(self.cfg.server.model_repository)
+        if not src.is_dir():
+            raise LaunchError(f"model repository {src} not found (server.model_repository)")
+        dst = self.run_dir / "model_repository"
+        if dst.exists():
+            shutil.rmtree(dst)
+        dst.mkdir(parents=True)
+        kind = "KIND_GPU" if self.device == "cuda" else "KIND_CPU"
+        for model_dir in sorted(p for p in src.iterdir() if (p / "config.pbtxt").is_file()):
+            out = dst / model_dir.name
+            out.mkdir()
+            text = (model_dir / "config.pbtxt").read_text()
+            (out / "config.pbtxt").write_text(re.sub(r"KIND_(CPU|GPU)", kind, text))
+            for child in model_dir.iterdir():
+                if child.name != "config.pbtxt":
+                    (out / child.name).symlink_to(child.resolve())
+        missing = [m for m in self.models if not (dst / m).is_dir()]
+        if missing:
+            raise LaunchError(f"models {missing} not in repository {src}; available: {sorted(p.name for p in dst.iterdir())}")
+        return dst
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, timeout_s: float | None = None) -> "TritonServer":
+        if self.proc is not None:
+            raise LaunchError("this TritonServer is already started")
+        inst = find_triton(self.cfg.server.tritonserver_binary)
+        for port in (self.cfg.server.http_port, self.cfg.server.grpc_port, self.cfg.server.metrics_port):
+            _require_free_port(self.cfg.server.host, port)
+        argv, env = self._prepare(inst)
+        logf = open(self.log_path, "ab", buffering=0)
+        log.info("starting tritonserver (%s, %s instances), log: %s", inst.binary.name,
+                 "GPU" if self.device == "cuda" else "CPU", self.log_path)
+        self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        logf.close()
+        atexit.register(self.stop)
+        try:
+            self.wait_ready(timeout_s or self.cfg.server.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll /v2/health/ready until the server and its loaded models are ready."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise LaunchError(f"tritonserver exited (code {code}) before it was ready.\n{self.log_tail()}")
+            if self._http_ok("/v2/health/ready") and all(self._http_ok(f"/v2/models/{m}/ready") for m in self.models):
+                return
+            if time.monotonic() > deadline:
+                raise LaunchError(f"tritonserver not ready after {timeout_s:.0f} s "
+                                  f"(server.startup_timeout_s).\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def _http_ok(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.http_url + path, timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def load(self, name: str, timeout_s: float | None = None) -> None:
+        """Load (or reload) one model through the repository API; raise with the log tail on failure."""
+        req = urllib.request.Request(f"{self.http_url}/v2/repository/models/{name}/load", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.cfg.server.startup_timeout_s):
+                pass
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            raise LaunchError(f"loading model {name!r} failed: {body}\n{self.log_tail()}") from e
+        if name not in self.models:
+            self.models.append(name)
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, wait, then SIGKILL. Safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        atexit.unregister(self.stop)
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.cfg.server.shutdown_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver did not stop in %.0f s; killing it", self.cfg.server.shutdown_timeout_s)
+        _signal_group(proc.pid, signal.SIGKILL)  # stubs left behind by a crashed server, if any
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no tritonserver log)"
+        return "--- tritonserver log (last lines) ---\n" + "\n".join(text[-lines:])
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _require_free_port(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise LaunchError(
+                f"port {host}:{port} is in use (another tritonserver?). Stop it, or set "
+                f"server.http_port / grpc_port / metrics_port to free ports."
+            ) from None

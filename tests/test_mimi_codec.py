@@ -1,0 +1,187 @@
+"""The streaming Mimi codec: in-process pool semantics, then the same through a real tritonserver."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from egomem.codec.mimi import (
+    CARDINALITY, FRAME_SAMPLES, CodecRequest, MimiStreamPool, StreamError, build_mimi, serve_codec_batch,
+)
+from egomem.config import MimiConfig
+
+STEPS = 6
+
+
+def frames(seed: int, n: int = STEPS) -> np.ndarray:
+    """n frames of a seeded, speech-like signal (noise bursts times a tone) [n, 1920]."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n * FRAME_SAMPLES) / 24_000
+    x = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 2000) * t) + 0.2 * rng.standard_normal(t.size)
+    x *= np.repeat(rng.uniform(0.1, 1.0, n), FRAME_SAMPLES)
+    return x.reshape(n, FRAME_SAMPLES).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def pool() -> MimiStreamPool:
+    return MimiStreamPool(build_mimi(MimiConfig()), max_streams=4)
+
+
+def run_alone(pool: MimiStreamPool, stream: int, x: np.ndarray) -> np.ndarray:
+    pool.open(stream)
+    out = np.stack([pool.encode([stream], f[None])[0] for f in x])
+    pool.close(stream)
+    return out
+
+
+def test_random_init_is_seeded_and_codes_vary(pool):
+    a = run_alone(pool, 1, frames(0))
+    other = MimiStreamPool(build_mimi(MimiConfig()), max_streams=2)
+    b = run_alone(other, 1, frames(0))
+    np.testing.assert_array_equal(a, b)  # every process builds the same codec
+    assert a.shape == (STEPS, 8) and a.dtype == np.int64
+    assert len({tuple(r) for r in a}) > 1, "codes should change with the input"
+    assert a.min() >= 0 and a.max() < CARDINALITY
+
+
+def test_streams_are_isolated_in_process(pool):
+    x0, x1 = frames(1), frames(2)
+    alone0, alone1 = run_alone(pool, 10, x0), run_alone(pool, 11, x1)
+    pool.open(10)
+    inter0 = [pool.encode([10], x0[0:1])[0]]
+    pool.open(11)  # opening a stream mid-way must not disturb stream 10
+    inter1 = []
+    for i in range(STEPS):
+        if i > 0:
+            inter0.append(pool.encode([10], x0[i:i + 1])[0])
+        inter1.append(pool.encode([11], x1[i:i + 1])[0])
+    pool.close(11)
+    np.testing.assert_array_equal(np.stack(inter0), alone0)
+    np.testing.assert_array_equal(np.stack(inter1), alone1)
+    pool.close(10)
+
+
+def test_batched_call_equals_single_calls(pool):
+    x0, x1 = frames(3), frames(4)
+    alone0, alone1 = run_alone(pool, 20, x0), run_alone(pool, 21, x1)
+    pool.open(20), pool.open(21)
+    both = np.stack([pool.encode([21, 20], np.stack([x1[i], x0[i]])) for i in range(STEPS)])  # [T, 2, 8]
+    np.testing.assert_array_equal(both[:, 1], alone0)
+    np.testing.assert_array_equal(both[:, 0], alone1)
+    pool.close(20), pool.close(21)
+
+
+def test_decode_shape_and_pool_limits(pool):
+    pool.open(30)
+    pcm = pool.decode([30], np.array([[1, 2, 3, 4, 5, 6, 7, 8]]))
+    assert pcm.shape == (1, FRAME_SAMPLES) and np.isfinite(pcm).all()
+    with pytest.raises(StreamError, match=r"codes must lie in \[0, 2048\)"):
+        pool.decode([30], np.full((1, 8), 5000))
+    with pytest.raises(StreamError, match="NaN"):
+        pool.encode([30], np.full((1, FRAME_SAMPLES), np.nan, np.float32))
+    with pytest.raises(StreamError, match="unknown stream 99"):
+        pool.encode([99], frames(0, 1))
+    for s in (31, 32, 33):
+        pool.open(s)
+    with pytest.raises(StreamError, match="no free stream slot"):
+        pool.open(34)
+    for s in (30, 31, 32, 33):
+        pool.close(s)
+
+
+def test_one_bad_request_does_not_fail_the_batch(pool):
+    good = CodecRequest(40, start=True, pcm=frames(5, 1)[0])
+    nan = CodecRequest(41, start=True, pcm=np.full(FRAME_SAMPLES, np.nan, np.float32))
+    unknown = CodecRequest(42, pcm=frames(5, 1)[0])
+    res = serve_codec_batch(pool, [good, nan, unknown])
+    assert res[0].codes.shape == (8,)
+    assert isinstance(res[1], StreamError) and "NaN" in str(res[1])
+    assert isinstance(res[2], StreamError) and "unknown stream 42" in str(res[2])
+    pool.close(40), pool.close(41)
+
+
+# -- through the real tritonserver --------------------------------------------------------------
+
+
+def encode(client, stream: int, frame: np.ndarray, start=False, end=False) -> np.ndarray:
+    inp = grpcclient.InferInput("PCM", [1, FRAME_SAMPLES], "FP32")
+    inp.set_data_from_numpy(frame[None].astype(np.float32))
+    r = client.infer("mimi_codec", [inp], outputs=[grpcclient.InferRequestedOutput("CODES")],
+                     sequence_id=stream, sequence_start=start, sequence_end=end)
+    return r.as_numpy("CODES")[0]
+
+
+@pytest.fixture(scope="module")
+def codec(triton):
+    triton.load("mimi_codec")
+    return triton.client()
+
+
+def test_served_codes_shape_range_and_determinism(codec, pool):
+    x = frames(7)
+    served = np.stack([encode(codec, 501, f, start=(i == 0), end=(i == STEPS - 1)) for i, f in enumerate(x)])
+    assert served.shape == (STEPS, 8) and served.dtype == np.int64
+    assert served.min() >= 0 and served.max() < CARDINALITY
+    np.testing.assert_array_equal(served, run_alone(pool, 50, x))  # same codec in and out of Triton
+
+
+def test_served_streams_are_isolated(codec):
+    x0, x1 = frames(8), frames(9)
+    alone0 = np.stack([encode(codec, 601, f, start=(i == 0), end=(i == STEPS - 1)) for i, f in enumerate(x0)])
+    alone1 = np.stack([encode(codec, 602, f, start=(i == 0), end=(i == STEPS - 1)) for i, f in enumerate(x1)])
+    inter0, inter1 = [], []
+    for i in range(STEPS):
+        last = i == STEPS - 1
+        inter0.append(encode(codec, 603, x0[i], start=(i == 0), end=last))
+        inter1.append(encode(codec, 604, x1[i], start=(i == 0), end=last))
+    np.testing.assert_array_equal(np.stack(inter0), alone0)
+    np.testing.assert_array_equal(np.stack(inter1), alone1)
+
+
+def test_served_decode_round_trip(codec):
+    inp = grpcclient.InferInput("CODES_IN", [1, 8], "INT64")
+    inp.set_data_from_numpy(np.arange(8, dtype=np.int64)[None] * 100)
+    r = codec.infer("mimi_codec", [inp], outputs=[grpcclient.InferRequestedOutput("AUDIO")],
+                    sequence_id=701, sequence_start=True, sequence_end=True)
+    audio = r.as_numpy("AUDIO")
+    assert audio.shape == (1, FRAME_SAMPLES) and audio.dtype == np.float32 and np.isfinite(audio).all()
+
+
+@pytest.mark.parametrize("bad", ["wrong_samples", "wrong_dtype", "unknown_stream", "huge", "bad_code", "nothing"])
+def test_served_bad_input_is_refused_and_server_keeps_serving(codec, bad):
+    seq = 800 + ["wrong_samples", "wrong_dtype", "unknown_stream", "huge", "bad_code", "nothing"].index(bad)
+    encode(codec, seq, frames(0, 1)[0], start=True)  # an open stream beside the bad request
+    kwargs = dict(sequence_id=seq)
+    if bad == "wrong_samples":
+        inp = grpcclient.InferInput("PCM", [1, 100], "FP32")
+        inp.set_data_from_numpy(np.zeros((1, 100), np.float32))
+        expect = "unexpected shape"
+    elif bad == "wrong_dtype":
+        inp = grpcclient.InferInput("PCM", [1, FRAME_SAMPLES], "INT32")
+        inp.set_data_from_numpy(np.zeros((1, FRAME_SAMPLES), np.int32))
+        expect = "data-type"
+    elif bad == "unknown_stream":
+        inp = grpcclient.InferInput("PCM", [1, FRAME_SAMPLES], "FP32")
+        inp.set_data_from_numpy(np.zeros((1, FRAME_SAMPLES), np.float32))
+        kwargs = dict(sequence_id=99_999)
+        expect = "START"
+    elif bad == "huge":
+        n = 8_000_000  # 32 MB: a client that sends a whole file as one frame
+        inp = grpcclient.InferInput("PCM", [1, n], "FP32")
+        inp.set_data_from_numpy(np.zeros((1, n), np.float32))
+        expect = ""
+    elif bad == "bad_code":
+        inp = grpcclient.InferInput("CODES_IN", [1, 8], "INT64")
+        inp.set_data_from_numpy(np.full((1, 8), 9999, np.int64))
+        expect = "codes must lie in"
+    else:
+        inp = None
+        expect = "0 inputs"  # Triton itself refuses a request with no inputs
+    with pytest.raises(InferenceServerException) as err:
+        codec.infer("mimi_codec", [inp] if inp is not None else [], **kwargs)
+    assert expect.lower() in str(err.value).lower()
+    # The server and the open stream beside it keep working.
+    codes = encode(codec, seq, frames(1, 1)[0], end=True)
+    assert codes.shape == (8,)
