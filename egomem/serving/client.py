@@ -1,0 +1,95 @@
+"""Async client for the models on tritonserver (gRPC), used by the orchestrator and benchmarks.
+
+Wraps `tritonclient.grpc.aio` with numpy in/out and two error kinds the caller can act on:
+`TritonUnavailable` (server down or restarting: retry later, fail the streams cleanly) and
+`TritonRequestError` (this request was refused: report it to the one stream that sent it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Mapping
+
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+
+class TritonUnavailable(ConnectionError):
+    """The server cannot be reached (down, restarting, model not loaded)."""
+
+
+class TritonRequestError(ValueError):
+    """The server refused this one request (bad shape, dtype, unknown stream...)."""
+
+
+_UNAVAILABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED",
+                "failed to connect", "Socket closed", "is not ready", "unknown model")
+
+
+class AsyncTritonClient:
+    """One gRPC channel to tritonserver, safe to share between many asyncio tasks."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0):
+        self.url = url
+        self.timeout_s = timeout_s
+        self._client = grpcaio.InferenceServerClient(url)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def __aenter__(self) -> "AsyncTritonClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def is_ready(self, model: str | None = None) -> bool:
+        try:
+            if model is None:
+                return bool(await self._client.is_server_ready())
+            return bool(await self._client.is_model_ready(model))
+        except InferenceServerException:
+            return False
+
+    async def wait_ready(self, models: list[str], timeout_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not all([await self.is_ready(m) for m in models]):
+            if asyncio.get_running_loop().time() > deadline:
+                raise TritonUnavailable(f"models {models} not ready at {self.url} after {timeout_s:.0f} s")
+            await asyncio.sleep(0.25)
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        outputs: list[str],
+        sequence_id: int = 0,
+        start: bool = False,
+        end: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        """One request; `sequence_id` > 0 makes it part of a stream (START/END flags)."""
+        ins = []
+        for name, arr in inputs.items():
+            arr = np.ascontiguousarray(arr)
+            t = InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+            t.set_data_from_numpy(arr)
+            ins.append(t)
+        outs = [InferRequestedOutput(o) for o in outputs]
+        timeout = timeout_s or self.timeout_s
+        try:
+            res = await asyncio.wait_for(
+                self._client.infer(model, ins, outputs=outs, sequence_id=sequence_id,
+                                   sequence_start=start, sequence_end=end),
+                timeout=timeout,
+            )
+        except asyncio.TimeoutError as e:
+            raise TritonUnavailable(f"{model}: no answer from {self.url} within {timeout:.1f} s") from e
+        except InferenceServerException as e:
+            msg = str(e)
+            if any(k in msg for k in _UNAVAILABLE):
+                raise TritonUnavailable(f"{model}: {msg}") from e
+            raise TritonRequestError(f"{model}: {msg}") from e
+        return {o: res.as_numpy(o) for o in outputs}
