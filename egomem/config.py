@@ -71,6 +71,17 @@ class DialogConfig:
     preset: Literal["tiny", "7b"] = "tiny"
     max_streams: int = 16
     seed: int = 1234
+    l1_steps: int = 512  # Level-1 MemChunk (profile), as in the paper
+    l2_steps: int = 256  # Level-2 MemChunk (retrieved facts), as in the paper
+    ring_steps: int = 0  # dialog ring; 0 = the model's trained context minus the chunks (7B: 3000 - 768)
+    temperature: float = 0.0  # 0 = greedy (reproducible); Moshi samples at 0.7 text / 0.8 audio
+    top_k_text: int = 25  # Moshi's LMGen defaults
+    top_k_audio: int = 250
+    kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: Triton kernels on CUDA, PyTorch on CPU
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: Device = "auto"
+    stream_ttl_s: float = 600.0  # a stream idle this long is closed (Triton drops idle sequences silently)
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
 
 
 @dataclass
@@ -79,15 +90,15 @@ class IdentityConfig:
 
     face_backend: Literal["dlib", "deepface"] = "dlib"  # dlib: weights in registry wheels; deepface: the paper's
     deepface_home: Path | None = None  # folder holding .deepface/weights/ (Facenet512 + RetinaFace); paper extra
-    face_threshold_dlib: float = 0.10  # cosine distance; dlib's 0.6 euclidean rule ~ 0.07-0.1 (bench_identity EER)
+    face_threshold_dlib: float = 0.09  # cosine distance; bench_identity pairs: same <= 0.075, different >= 0.104
     face_threshold_deepface: float = 0.30  # cosine distance for Facenet512 (the paper's value)
     face_min_score: float = 0.0  # dlib HOG detection score below this is not a face (its own default cut)
     face_detect_max_side: int = 1024  # frames are downscaled to this for detection only (speed); crops use full res
     max_image_pixels: int = 40_000_000  # larger frames are refused (a 50 MP upload is an error, not a stall)
     voice_backend: Literal["resemblyzer", "wavlm"] = "resemblyzer"  # resemblyzer: GE2E weights in the wheel
     wavlm_checkpoint: Path | None = None  # local WavLM-large speaker-verification folder (HF format); paper extra
-    voice_threshold_resemblyzer: float = 2.0  # on the s-normed score (bench_identity: EER point on LibriSpeech)
-    voice_threshold_wavlm: float = 2.0  # on the s-normed score; recalibrate with bench_identity for real weights
+    voice_threshold_resemblyzer: float = 2.5  # s-normed score; bench_identity EER point (LibriSpeech: FAR 0.3%, FRR 0.4%)
+    voice_threshold_wavlm: float = 2.5  # s-normed scores are scale-free; recalibrate with bench_identity on real weights
     cohort_file: Path | None = None  # imposter cohort .npy [N, D]; None = the shipped egomem/data/cohort_<backend>.npy
     cohort_size: int = 2000  # at most this many cohort rows are used (the paper's 2,000)
     cohort_top_k: int = 200  # top-K cohort scores per side; scaled by N/cohort_size when the cohort is smaller
@@ -129,8 +140,8 @@ class MemoryConfig:
     trigger_chunk_steps: int = 8192  # the trigger labels at most this many 80 ms steps per call (paper)
     face_model_id: str = "dlib_resnet_v1"  # keys of other models never match
     voice_model_id: str = "resemblyzer_ge2e"
-    face_threshold: float = 0.30  # cosine distance accepted as the same face (paper, Facenet512)
-    voice_threshold: float = 0.35  # cosine distance for the stub identifier; issue 4 adds s-norm
+    face_threshold: float = 0.09  # stub identifier, cosine distance; dlib's value from bench_identity (Facenet512: 0.30)
+    voice_threshold: float = 0.25  # stub identifier, raw cosine distance; egomem.identity's s-norm replaces it
     profile_max_chars: int = 2000  # rendered profile; the dialog side cuts it to the 512-step Level-1 MemChunk
 
 
@@ -173,7 +184,24 @@ class OrchestratorConfig:
     """The aiohttp service. Owned by issue 6."""
 
     host: str = "127.0.0.1"
-    port: int = 8998
+    port: int = 8998  # Moshi's server port, so Moshi's clients connect with their defaults
+    tokens_file: Path | None = None  # JSON {"<token>": "stream"|"admin"}; None = <server.run_dir>/tokens.json
+    tokens_env: str = "EGOMEM_TOKENS"  # also read "<token>:<scope>,..." from this variable (never from a file in git)
+    max_streams: int = 8  # open /api/chat streams; keep <= dialog.max_streams and mimi.max_streams
+    max_message_bytes: int = 2_000_000  # one WebSocket message (a JPEG frame is the largest kind)
+    max_messages_per_s: float = 200.0  # per stream, averaged over 1 s (Opus pages ~50/s + video + text)
+    max_body_bytes: int = 1_000_000  # one REST request body
+    max_input_buffer_s: float = 2.0  # client audio buffered ahead of real time beyond this is dropped
+    send_queue_messages: int = 64  # per-stream outbound queue (~5 s of audio); full = oldest audio dropped
+    max_tick_lag_s: float = 0.4  # a tick loop this far behind its clock re-syncs (the missed ticks count as misses)
+    triton_timeout_s: float = 5.0  # one model call; longer means Triton is gone and the stream fails cleanly
+    poll_interval_s: float = 2.0  # identification polling loop (the paper's 2 s)
+    identify_window_s: float = 3.0  # tau: seconds of recent audio handed to the speaker encoder
+    identify_models: bool = True  # False: no face/speaker encoders are called (dialog-only deployments)
+    retrieval: bool = True  # query detection + Level-2 refresh (needs text_encoder)
+    chunk_steps: int = 1500  # a memory job every 2 min of stream (and one at stream end)
+    record_audio: bool = True  # keep the user's raw 24 kHz audio in memory jobs (for transcription)
+    accept_model_text: bool = False  # let clients inject text into the model's text channel (demo/tests: random model)
 
 
 @dataclass

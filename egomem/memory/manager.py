@@ -1,0 +1,138 @@
+"""The memory manager: a recorded stream chunk in, durable per-user memories out (DESIGN.md §7).
+
+    tokens -> trigger labels -> sessions -> for each session:
+        identify the user (face / voice keys) -> transcript (ASR or client + monologue)
+        -> extractor -> new user (keys + initial profile) | update agent (conflicts, reasons)
+        -> one atomic `commit_session` (with the session row: the idempotency mark)
+
+Retry safety: session ids, new user ids and record ids derive from (stream, chunk, span), LLM
+answers are replayed from the store, and a committed session is skipped; so re-running a chunk
+after a crash, or twice, reaches the same state. The update agent's read-modify-write is guarded
+by the user's version: if another writer changed the user meanwhile, it re-reads and decides again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import numpy as np
+
+from egomem.memory.agents import AgentInfo, Extraction, Extractor, UpdateAgent, UpdatePlan
+from egomem.memory.chunk import STEP_S, STEP_SAMPLES, StreamChunk
+from egomem.memory.identify import Identifier, mean_direction, user_of
+from egomem.memory.segment import TriggerLabeler, decode_sessions, label_stream
+from egomem.memory.sqlite_store import derived_id
+from egomem.memory.store import MemoryStore, VersionConflict
+from egomem.memory.transcribe import Transcriber
+from egomem.memory.types import ItemDecision, NewKey, Provenance, SessionCommit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionOutcome:
+    session_id: str
+    start_step: int
+    end_step: int
+    user_id: str | None
+    status: Literal["committed", "already_done"]
+    new_user: bool = False
+
+
+class MemoryManager:
+    def __init__(self, store: MemoryStore, labeler: TriggerLabeler, identifier: Identifier, extractor: Extractor,
+                 updater: UpdateAgent, transcriber: Transcriber, face_model_id: str, voice_model_id: str,
+                 trigger_chunk_steps: int = 8192, max_conflict_retries: int = 5):
+        self.store, self.labeler, self.identifier = store, labeler, identifier
+        self.extractor, self.updater, self.transcriber = extractor, updater, transcriber
+        self.models = {"face": face_model_id, "voice": voice_model_id}
+        self.window = trigger_chunk_steps
+        self.max_conflict_retries = max_conflict_retries
+
+    def sessions_of(self, chunk: StreamChunk) -> list[tuple[int, int]]:
+        return decode_sessions(label_stream(self.labeler, chunk.tokens, self.window))
+
+    def process_chunk(self, chunk: StreamChunk, job_id: str | None = None,
+                      on_progress: Callable[[], None] | None = None) -> list[SessionOutcome]:
+        out = []
+        for start, end in self.sessions_of(chunk):
+            out.append(self.process_session(chunk, start, end, job_id))
+            if on_progress is not None:
+                on_progress()  # e.g. extend the job's lease
+        return out
+
+    def process_session(self, chunk: StreamChunk, start: int, end: int, job_id: str | None = None) -> SessionOutcome:
+        sid = derived_id("session", chunk.stream_id, chunk.chunk_index, start, end)
+        done = self.store.get_session(sid)
+        if done is not None:
+            return SessionOutcome(sid, start, end, done.user_id, "already_done")
+        faces, voices = chunk.embeddings("faces", start, end), chunk.embeddings("voices", start, end)
+        face, voice = mean_direction(faces), mean_direction(voices)  # the session's [D] each, or None
+        found = user_of(self.identifier.identify(None if face is None else face[None], voice))  # face [1, D]
+        user = self.store.resolve_user(found) if found else None
+        audio = None
+        if chunk.listen_audio is not None:
+            audio = chunk.listen_audio[start * STEP_SAMPLES:(end + 1) * STEP_SAMPLES]  # [S] of this session
+        transcript = self.transcriber.transcribe(
+            audio, chunk.sample_rate,
+            [p for p in chunk.client_transcript if start <= p[0] <= end],
+            [p for p in chunk.monologue if start <= p[0] <= end])
+        ex, ex_info = self.extractor.extract(transcript.text, user.name if user else None, sid, job_id,
+                                             user.user_id if user else None)
+        base = dict(session_id=sid, stream_id=chunk.stream_id, chunk_index=chunk.chunk_index, start_step=start,
+                    end_step=end, valid_from=chunk.start_time + start * STEP_S, transcript=transcript.text,
+                    transcript_source=transcript.source, persona=list(ex.persona), summary=ex.summary or None,
+                    relations=list(ex.relations))
+        if user is None:
+            keys = self._keys(faces, voices, have=set())
+            plan = UpdatePlan([ItemDecision("add", "fact", t, k, None, None, "new user") for k, t in ex.facts]
+                              + [ItemDecision("add", "preference", i, None, p, None, "new user")
+                                 for i, p in ex.preferences], ex.name, "user said their name" if ex.name else "")
+            commit = SessionCommit(**base, provenance=self._prov(sid, ex_info, None), new_user_id=(
+                derived_id("user", sid) if (keys or _has_content(ex)) else None), name=plan.name,
+                name_reason=plan.name_reason, keys=keys, decisions=plan.decisions)
+            applied = self.store.commit_session(commit)  # False: another worker committed it meanwhile
+            return SessionOutcome(sid, start, end, commit.new_user_id, "committed" if applied else "already_done",
+                                  new_user=applied)
+        for attempt in range(self.max_conflict_retries):
+            profile = self.store.profile(user.user_id)
+            plan, up_info = self.updater.decide(profile, ex, sid, job_id)
+            have = {(k.modality, k.model_id) for k in self.store.list_keys(user_id=user.user_id)}
+            commit = SessionCommit(**base, provenance=self._prov(sid, ex_info, up_info), user_id=user.user_id,
+                                   expected_version=profile.user.version, name=plan.name, name_reason=plan.name_reason,
+                                   keys=self._keys(faces, voices, have), decisions=plan.decisions)
+            try:
+                applied = self.store.commit_session(commit)
+                return SessionOutcome(sid, start, end, user.user_id, "committed" if applied else "already_done")
+            except VersionConflict as e:
+                log.info("session %s: %s; deciding again (%d)", sid, e, attempt + 1)
+        raise VersionConflict(f"session {sid}: user {user.user_id} kept changing; gave up after "
+                              f"{self.max_conflict_retries} tries (the job will be retried)")
+
+    def _keys(self, faces: np.ndarray, voices: np.ndarray, have: set[tuple[str, str]]) -> list[NewKey]:
+        """One key per modality (the session's mean embedding) unless the user already has one of that model."""
+        keys = []
+        for modality, obs in (("face", faces), ("voice", voices)):
+            v = mean_direction(obs)
+            if v is not None and (modality, self.models[modality]) not in have:
+                keys.append(NewKey(modality, self.models[modality], v))  # type: ignore[arg-type]
+        return keys
+
+    @staticmethod
+    def _prov(sid: str, ex: AgentInfo, up: AgentInfo | None) -> Provenance:
+        infos = [ex] + ([up] if up else [])
+        fallback = [i for i in infos if i.origin == "rule_fallback"]
+        hashes = ";".join(f"{name}={i.prompt_hash}" for name, i in zip(("extract", "update"), infos) if i.prompt_hash)
+        return Provenance(
+            actor="memory_manager: " + " + ".join(i.actor for i in infos),
+            origin="rule_fallback" if fallback else ex.origin,
+            session_id=sid,
+            llm_model=",".join(sorted({i.model for i in infos})),
+            prompt_hash=hashes or None,
+        )
+
+
+def _has_content(ex: Extraction) -> bool:
+    return bool(ex.name or ex.facts or ex.preferences or ex.persona or ex.relations or ex.summary)

@@ -1,0 +1,823 @@
+"""SQLite backend of `MemoryStore`: WAL mode, one connection per thread, explicit write transactions.
+
+Durability: `synchronous=FULL` by default, so a committed transaction survives a killed process
+and a power cut. Every write runs in `BEGIN IMMEDIATE` (one writer at a time across threads and
+processes; others wait up to `busy_timeout_s`), which also serialises writes for one user.
+`secure_delete` is on and `forget_user` truncates the WAL, so forgotten data is not left in free
+pages or old WAL frames of the database file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from egomem.memory.schema import MIGRATIONS, SCHEMA_VERSION
+from egomem.memory.store import MANUAL, MemoryStore, StoreError, VersionConflict
+from egomem.memory.types import (
+    BiometricKey,
+    DeadLetter,
+    ForgetReceipt,
+    Job,
+    MemoryItem,
+    Modality,
+    OpLogEntry,
+    PersonaUpdate,
+    PersonaValue,
+    Polarity,
+    Profile,
+    Provenance,
+    Relation,
+    SessionCommit,
+    SessionRecord,
+    Summary,
+    UNKNOWN_USER,
+    User,
+)
+
+_USER_COLS = "user_id, name, created_at, updated_at, version, merged_into"
+_ITEM_COLS = ("item_id, user_id, kind, item_key, text, polarity, valid_from, invalid_at, superseded_by, "
+              "session_id, origin")
+_REL_COLS = "relation_id, user_id, other_user_id, relation, valid_from, invalid_at, session_id, origin"
+_SESSION_COLS = ("session_id, stream_id, chunk_index, start_step, end_step, user_id, transcript, "
+                 "transcript_source, status, created_at")
+_JOB_COLS = "job_id, job_key, kind, payload, status, attempts, max_attempts, lease_until, worker, result, error"
+_DL_COLS = ("dl_id, source, stage, job_id, session_id, user_id, payload, error, attempts, created_at, "
+            "resolved_at, resolution")
+
+
+def derived_id(*parts: Any) -> str:
+    """A deterministic id from its parts: a re-run of the same session writes the same ids."""
+    return hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).hexdigest()[:32]
+
+
+def _vec_bytes(v: np.ndarray) -> bytes:
+    v = np.asarray(v, dtype="<f4").reshape(-1)
+    n = float(np.linalg.norm(v))
+    if not np.isfinite(n) or n == 0.0:
+        raise StoreError("a biometric key vector must be finite and non-zero")
+    return (v / n).astype("<f4").tobytes()
+
+
+class SQLiteMemoryStore(MemoryStore):
+    def __init__(self, path: str | Path, busy_timeout_s: float = 30.0, synchronous: str = "FULL",
+                 job_max_attempts: int = 5, clock: Callable[[], float] = time.time):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._busy_ms = int(busy_timeout_s * 1000)
+        if synchronous not in ("FULL", "NORMAL"):
+            raise StoreError(f"synchronous = {synchronous!r}; allowed: 'FULL', 'NORMAL'")
+        self._sync = synchronous
+        self._job_max_attempts = job_max_attempts
+        self._clock = clock
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+        self._migrate()
+
+    # ------------------------------------------------------------------ connections, transactions
+
+    def _conn(self) -> sqlite3.Connection:
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            c = sqlite3.connect(self.path, timeout=self._busy_ms / 1000, isolation_level=None,
+                                check_same_thread=False)
+            c.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
+            c.execute("PRAGMA journal_mode = WAL")
+            c.execute(f"PRAGMA synchronous = {self._sync}")
+            c.execute("PRAGMA foreign_keys = ON")
+            c.execute("PRAGMA secure_delete = ON")  # deleted rows are zeroed, not left in free pages
+            self._local.conn = c
+            with self._all_lock:
+                self._all.append(c)
+        return c
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: BEGIN IMMEDIATE takes the database's write lock up front."""
+        c = self._conn()
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            yield c
+            self._before_commit(c)
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A consistent snapshot across several SELECTs."""
+        c = self._conn()
+        c.execute("BEGIN")
+        try:
+            yield c
+        finally:
+            c.execute("COMMIT")
+
+    def _before_commit(self, c: sqlite3.Connection) -> None:
+        """Called inside every write transaction just before COMMIT (a seam for crash tests)."""
+
+    def _migrate(self) -> None:
+        with self._write() as c:
+            c.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = c.execute("SELECT MAX(version) FROM schema_version").fetchone()
+            have = row[0] or 0
+            if have > SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has schema version {have}, newer than this code "
+                                 f"({SCHEMA_VERSION}); upgrade egomem")
+            for v in range(have + 1, SCHEMA_VERSION + 1):
+                for stmt in _split_sql(MIGRATIONS[v]):
+                    c.execute(stmt)
+                c.execute("INSERT INTO schema_version (version) VALUES (?)", (v,))
+
+    def schema_version(self) -> int:
+        return self._conn().execute("SELECT MAX(version) FROM schema_version").fetchone()[0]
+
+    def close(self) -> None:
+        with self._all_lock:
+            for c in self._all:
+                with contextlib.suppress(sqlite3.Error):
+                    c.close()
+            self._all.clear()
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _log(self, c: sqlite3.Connection, op: str, prov: Provenance, user_id: str | None, target: str | None,
+             reason: str = "", related_user_id: str | None = None, detail: dict[str, Any] | None = None) -> None:
+        c.execute(
+            "INSERT INTO op_log (ts, op, actor, user_id, related_user_id, target, session_id, llm_model, "
+            "prompt_hash, reason, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (self._clock(), op, prov.actor, user_id, related_user_id, target, prov.session_id, prov.llm_model,
+             prov.prompt_hash, reason, json.dumps(detail or {}, sort_keys=True)),
+        )
+
+    def _live_user(self, c: sqlite3.Connection, user_id: str) -> User:
+        row = c.execute(f"SELECT {_USER_COLS} FROM users WHERE user_id = ?", (user_id,)).fetchone()
+        if row is None:
+            raise StoreError(f"unknown user {user_id!r}")
+        u = User(*row)
+        if u.merged_into is not None:
+            raise StoreError(f"user {user_id!r} was merged into {u.merged_into!r}; write to that one")
+        return u
+
+    def _touch(self, c: sqlite3.Connection, user_id: str) -> None:
+        c.execute("UPDATE users SET version = version + 1, updated_at = ? WHERE user_id = ?", (self._clock(), user_id))
+
+    def _bump_keys_generation(self, c: sqlite3.Connection) -> None:
+        c.execute("UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE name = 'keys_generation'")
+
+    # ------------------------------------------------------------------ users
+
+    def _insert_user(self, c: sqlite3.Connection, user_id: str, name: str, prov: Provenance, reason: str) -> User:
+        now = self._clock()
+        c.execute("INSERT INTO users (user_id, name, created_at, updated_at, version) VALUES (?,?,?,?,0)",
+                  (user_id, name, now, now))
+        self._log(c, "create_user", prov, user_id, f"users:{user_id}", reason, detail={"name": name})
+        return User(user_id, name, now, now, 0)
+
+    def create_user(self, name: str = UNKNOWN_USER, prov: Provenance = MANUAL) -> User:
+        with self._write() as c:
+            return self._insert_user(c, uuid.uuid4().hex, name.strip() or UNKNOWN_USER, prov, "")
+
+    def get_user(self, user_id: str) -> User | None:
+        row = self._conn().execute(f"SELECT {_USER_COLS} FROM users WHERE user_id = ?", (user_id,)).fetchone()
+        return User(*row) if row else None
+
+    def resolve_user(self, user_id: str) -> User | None:
+        seen = set()
+        u = self.get_user(user_id)
+        while u is not None and u.merged_into is not None and u.user_id not in seen:
+            seen.add(u.user_id)
+            u = self.get_user(u.merged_into)
+        return u
+
+    def list_users(self, include_merged: bool = False) -> list[User]:
+        where = "" if include_merged else "WHERE merged_into IS NULL"
+        rows = self._conn().execute(f"SELECT {_USER_COLS} FROM users {where} ORDER BY created_at, user_id")
+        return [User(*r) for r in rows]
+
+    def rename_user(self, user_id: str, name: str, prov: Provenance = MANUAL, reason: str = "") -> User:
+        name = name.strip()
+        if not name:
+            raise StoreError("a user's name cannot be empty; use 'unknown_user' for an unnamed user")
+        with self._write() as c:
+            old = self._live_user(c, user_id)
+            c.execute("UPDATE users SET name = ? WHERE user_id = ?", (name, user_id))
+            self._touch(c, user_id)
+            self._log(c, "rename", prov, user_id, f"users:{user_id}", reason, detail={"old": old.name, "new": name})
+        return self.get_user(user_id)  # type: ignore[return-value]
+
+    def merge_users(self, keep_id: str, drop_id: str, prov: Provenance = MANUAL, reason: str = "") -> User:
+        if keep_id == drop_id:
+            raise StoreError("cannot merge a user into itself")
+        with self._write() as c:
+            self._merge(c, keep_id, drop_id, prov, reason)
+        return self.get_user(keep_id)  # type: ignore[return-value]
+
+    def _merge(self, c: sqlite3.Connection, keep_id: str, drop_id: str, prov: Provenance, reason: str) -> None:
+        keep = self._live_user(c, keep_id)
+        drop = self._live_user(c, drop_id)
+        for table in ("biometric_keys", "memory_items", "summaries", "sessions"):
+            c.execute(f"UPDATE {table} SET user_id = ? WHERE user_id = ?", (keep_id, drop_id))
+        # persona: the more confident value of each dimension wins
+        for dim, val, conf, ev, sid, origin, ts in c.execute(
+            "SELECT dim, value, confidence, evidence, session_id, origin, updated_at FROM persona WHERE user_id = ?",
+            (drop_id,)).fetchall():
+            c.execute(
+                "INSERT INTO persona (user_id, dim, value, confidence, evidence, session_id, origin, updated_at) "
+                "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (user_id, dim) DO UPDATE SET value = excluded.value, "
+                "confidence = excluded.confidence, evidence = excluded.evidence, session_id = excluded.session_id, "
+                "origin = excluded.origin, updated_at = excluded.updated_at "
+                "WHERE excluded.confidence > persona.confidence",
+                (keep_id, dim, val, conf, ev, sid, origin, ts))
+        c.execute("DELETE FROM persona WHERE user_id = ?", (drop_id,))
+        c.execute("UPDATE relations SET user_id = ? WHERE user_id = ?", (keep_id, drop_id))
+        c.execute("UPDATE relations SET other_user_id = ? WHERE other_user_id = ?", (keep_id, drop_id))
+        c.execute("DELETE FROM relations WHERE user_id = other_user_id")
+        name = keep.name if keep.name != UNKNOWN_USER else drop.name
+        c.execute("UPDATE users SET name = ? WHERE user_id = ?", (name, keep_id))
+        c.execute("UPDATE users SET merged_into = ? WHERE user_id = ?", (keep_id, drop_id))
+        c.execute("UPDATE users SET merged_into = ? WHERE merged_into = ?", (keep_id, drop_id))
+        self._touch(c, keep_id)
+        self._touch(c, drop_id)
+        self._bump_keys_generation(c)
+        self._log(c, "merge_users", prov, keep_id, f"users:{drop_id}", reason, related_user_id=drop_id)
+
+    def forget_user(self, user_id: str, prov: Provenance = MANUAL, reason: str = "") -> ForgetReceipt:
+        forget_id = uuid.uuid4().hex
+        with self._write() as c:
+            u = self._live_user(c, user_id)
+            vectors = [np.frombuffer(r[0], dtype="<f4") for r in
+                       c.execute("SELECT vector FROM biometric_keys WHERE user_id = ?", (user_id,))]
+            ids = [user_id] + [r[0] for r in c.execute("SELECT user_id FROM users WHERE merged_into = ?", (user_id,))]
+            marks = ",".join("?" * len(ids))
+            sessions = [r[0] for r in c.execute(f"SELECT session_id FROM sessions WHERE user_id IN ({marks})", ids)]
+            smarks = ",".join("?" * len(sessions))
+            deleted: dict[str, int] = {}
+
+            def delete(table: str, where: str, params: Sequence[Any]) -> None:
+                n = c.execute(f"DELETE FROM {table} WHERE {where}", params).rowcount
+                deleted[table] = deleted.get(table, 0) + n
+
+            delete("biometric_keys", f"user_id IN ({marks})", ids)
+            delete("memory_items", f"user_id IN ({marks})", ids)
+            delete("summaries", f"user_id IN ({marks})", ids)
+            delete("persona", f"user_id IN ({marks})", ids)
+            neighbours = {r[0] for r in c.execute(
+                f"SELECT other_user_id FROM relations WHERE user_id IN ({marks}) UNION "
+                f"SELECT user_id FROM relations WHERE other_user_id IN ({marks})", ids + ids)} - set(ids)
+            delete("relations", f"user_id IN ({marks}) OR other_user_id IN ({marks})", ids + ids)
+            if sessions:
+                delete("llm_calls", f"session_id IN ({smarks})", sessions)
+                delete("dead_letters", f"session_id IN ({smarks})", sessions)
+            delete("dead_letters", f"user_id IN ({marks})", ids)
+            delete("sessions", f"user_id IN ({marks})", ids)
+            c.execute("INSERT INTO forget_guard (active) VALUES (1)")
+            delete("op_log", f"user_id IN ({marks}) OR related_user_id IN ({marks})", ids + ids)
+            c.execute("DELETE FROM forget_guard")
+            delete("users", f"user_id IN ({marks})", ids)
+            for n in sorted(neighbours):  # people only this user mentioned: nothing else refers to them
+                if self._is_orphan(c, n):
+                    c.execute("INSERT INTO forget_guard (active) VALUES (1)")
+                    c.execute("DELETE FROM op_log WHERE user_id = ? OR related_user_id = ?", (n, n))
+                    c.execute("DELETE FROM forget_guard")
+                    delete("users", "user_id = ?", (n,))
+            self._bump_keys_generation(c)
+            self._log(c, "forget", prov, None, None, "",  # the log keeps only that a forget happened
+                      detail={"forget_id": forget_id, "deleted": deleted})
+        # Old versions of the deleted pages may still sit in the WAL: checkpoint it back into the
+        # database (where secure_delete zeroed them) and truncate the WAL file.
+        wal_clean = False
+        for _ in range(50):  # readers in other connections can hold old frames for a moment
+            busy, _log, _done = self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            if busy == 0:
+                wal_clean = True
+                break
+            time.sleep(0.1)
+        leftovers = self.verify_forgotten(user_id, vectors, u.name if u.name != UNKNOWN_USER else None)
+        return ForgetReceipt(forget_id, deleted, leftovers, wal_clean)
+
+    @staticmethod
+    def _is_orphan(c: sqlite3.Connection, user_id: str) -> bool:
+        """A user with no keys, memories, sessions or relations (a person someone only mentioned)."""
+        for table, col in (("biometric_keys", "user_id"), ("memory_items", "user_id"), ("summaries", "user_id"),
+                           ("persona", "user_id"), ("sessions", "user_id"), ("relations", "user_id"),
+                           ("relations", "other_user_id"), ("users", "merged_into")):
+            if c.execute(f"SELECT 1 FROM {table} WHERE {col} = ? LIMIT 1", (user_id,)).fetchone():
+                return False
+        return True
+
+    def verify_forgotten(self, user_id: str, vectors: Sequence[np.ndarray] = (), name: str | None = None) -> list[str]:
+        c = self._conn()
+        needles: list[tuple[str, bytes]] = [("id", user_id.encode())]
+        needles += [(f"vector{i}", np.asarray(v, dtype="<f4").tobytes()) for i, v in enumerate(vectors)]
+        if name:
+            needles.append(("name", name.encode()))
+        hits = []
+        tables = [r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        for t in tables:
+            for col in [r[1] for r in c.execute(f"PRAGMA table_info({t})")]:
+                for what, needle in needles:
+                    n = c.execute(f"SELECT COUNT(*) FROM {t} WHERE instr(CAST({col} AS BLOB), ?) > 0",
+                                  (needle,)).fetchone()[0]
+                    if n:
+                        hits.append(f"{t}.{col} ({what}, {n} rows)")
+        return hits
+
+    # ------------------------------------------------------------------ biometric keys
+
+    def _insert_key(self, c: sqlite3.Connection, key_id: str, user_id: str, modality: str, model_id: str,
+                    vector: np.ndarray, prov: Provenance) -> None:
+        if modality not in ("face", "voice"):
+            raise StoreError(f"modality {modality!r}; allowed: 'face', 'voice'")
+        blob = _vec_bytes(vector)
+        c.execute("INSERT INTO biometric_keys (key_id, user_id, modality, model_id, dim, vector, session_id, created_at) "
+                  "VALUES (?,?,?,?,?,?,?,?)",
+                  (key_id, user_id, modality, model_id, len(blob) // 4, blob, prov.session_id, self._clock()))
+        self._bump_keys_generation(c)
+        self._log(c, "add_key", prov, user_id, f"biometric_keys:{key_id}", detail={"modality": modality,
+                                                                                    "model_id": model_id})
+
+    def add_key(self, user_id: str, modality: Modality, model_id: str, vector: np.ndarray,
+                prov: Provenance = MANUAL) -> str:
+        key_id = uuid.uuid4().hex
+        with self._write() as c:
+            self._live_user(c, user_id)
+            self._insert_key(c, key_id, user_id, modality, model_id, vector, prov)
+            self._touch(c, user_id)
+        return key_id
+
+    def list_keys(self, modality: Modality | None = None, model_id: str | None = None,
+                  user_id: str | None = None) -> list[BiometricKey]:
+        q = ("SELECT k.key_id, k.user_id, k.modality, k.model_id, k.vector, k.session_id, k.created_at "
+             "FROM biometric_keys k JOIN users u ON u.user_id = k.user_id WHERE u.merged_into IS NULL")
+        params: list[Any] = []
+        if user_id:
+            q += " AND k.user_id = ?"
+            params.append(user_id)
+        if modality:
+            q += " AND k.modality = ?"
+            params.append(modality)
+        if model_id:
+            q += " AND k.model_id = ?"
+            params.append(model_id)
+        rows = self._conn().execute(q + " ORDER BY k.created_at, k.key_id", params)
+        return [BiometricKey(r[0], r[1], r[2], r[3], np.frombuffer(r[4], dtype="<f4").copy(), r[5], r[6]) for r in rows]
+
+    def keys_generation(self) -> int:
+        return int(self._conn().execute("SELECT value FROM meta WHERE name = 'keys_generation'").fetchone()[0])
+
+    # ------------------------------------------------------------------ facts and preferences
+
+    def _insert_item(self, c: sqlite3.Connection, item_id: str, user_id: str, kind: str, text: str,
+                     key: str | None, polarity: str | None, valid_from: float, prov: Provenance, reason: str) -> None:
+        if kind not in ("fact", "preference"):
+            raise StoreError(f"item kind {kind!r}; allowed: 'fact', 'preference'")
+        if kind == "preference" and polarity not in ("like", "dislike"):
+            raise StoreError(f"a preference needs polarity 'like' or 'dislike', got {polarity!r}")
+        if not text.strip():
+            raise StoreError("a memory item needs text")
+        c.execute(f"INSERT INTO memory_items ({_ITEM_COLS}, created_at) VALUES (?,?,?,?,?,?,?,NULL,NULL,?,?,?)",
+                  (item_id, user_id, kind, key, text.strip(), polarity if kind == "preference" else None,
+                   valid_from, prov.session_id, prov.origin, self._clock()))
+        self._log(c, "add", prov, user_id, f"memory_items:{item_id}", reason,
+                  detail={"kind": kind, "key": key, "text": text.strip(), "polarity": polarity})
+
+    def _close_item(self, c: sqlite3.Connection, user_id: str, item_id: str, at: float, superseded_by: str | None,
+                    prov: Provenance, reason: str) -> None:
+        row = c.execute("SELECT user_id, invalid_at FROM memory_items WHERE item_id = ?", (item_id,)).fetchone()
+        if row is None or row[0] != user_id:
+            raise StoreError(f"memory item {item_id!r} is not one of user {user_id!r}'s")
+        if row[1] is not None:
+            raise StoreError(f"memory item {item_id!r} is no longer current (already superseded or retracted)")
+        c.execute("UPDATE memory_items SET invalid_at = ?, superseded_by = ? WHERE item_id = ?",
+                  (at, superseded_by, item_id))
+        self._log(c, "supersede" if superseded_by else "retract", prov, user_id, f"memory_items:{item_id}", reason,
+                  detail={"superseded_by": superseded_by} if superseded_by else {})
+
+    def _item_row(self, c: sqlite3.Connection, item_id: str) -> MemoryItem:
+        row = c.execute(f"SELECT {_ITEM_COLS} FROM memory_items WHERE item_id = ?", (item_id,)).fetchone()
+        if row is None:
+            raise StoreError(f"unknown memory item {item_id!r}")
+        return MemoryItem(*row)
+
+    def add_item(self, user_id: str, kind: str, text: str, key: str | None = None,
+                 polarity: Polarity | None = None, prov: Provenance = MANUAL, reason: str = "") -> str:
+        item_id = uuid.uuid4().hex
+        with self._write() as c:
+            self._live_user(c, user_id)
+            self._insert_item(c, item_id, user_id, kind, text, key, polarity, self._clock(), prov, reason)
+            self._touch(c, user_id)
+        return item_id
+
+    def supersede_item(self, item_id: str, text: str, prov: Provenance = MANUAL, reason: str = "",
+                       polarity: Polarity | None = None) -> str:
+        new_id = uuid.uuid4().hex
+        with self._write() as c:
+            old = self._item_row(c, item_id)
+            self._live_user(c, old.user_id)
+            now = self._clock()
+            self._close_item(c, old.user_id, item_id, now, new_id, prov, reason)
+            self._insert_item(c, new_id, old.user_id, old.kind, text, old.key, polarity or old.polarity, now, prov,
+                              reason)
+            self._touch(c, old.user_id)
+        return new_id
+
+    def retract_item(self, item_id: str, prov: Provenance = MANUAL, reason: str = "") -> None:
+        with self._write() as c:
+            old = self._item_row(c, item_id)
+            self._close_item(c, old.user_id, item_id, self._clock(), None, prov, reason)
+            self._touch(c, old.user_id)
+
+    def items(self, user_id: str, kind: str | None = None, history: bool = False) -> list[MemoryItem]:
+        return self._items(self._conn(), user_id, kind, history)
+
+    def _items(self, c: sqlite3.Connection, user_id: str, kind: str | None, history: bool) -> list[MemoryItem]:
+        q = f"SELECT {_ITEM_COLS} FROM memory_items WHERE user_id = ?"
+        params: list[Any] = [user_id]
+        if kind:
+            q += " AND kind = ?"
+            params.append(kind)
+        if not history:
+            q += " AND invalid_at IS NULL"
+        return [MemoryItem(*r) for r in c.execute(q + " ORDER BY valid_from, created_at, item_id", params)]
+
+    # ------------------------------------------------------------------ summaries, persona, relations
+
+    def add_summary(self, user_id: str, text: str, prov: Provenance = MANUAL) -> str:
+        sid = uuid.uuid4().hex
+        with self._write() as c:
+            self._live_user(c, user_id)
+            self._insert_summary(c, sid, user_id, text, self._clock(), prov)
+            self._touch(c, user_id)
+        return sid
+
+    def _insert_summary(self, c: sqlite3.Connection, summary_id: str, user_id: str, text: str, at: float,
+                        prov: Provenance) -> None:
+        c.execute("INSERT INTO summaries (summary_id, user_id, session_id, text, origin, created_at) VALUES (?,?,?,?,?,?)",
+                  (summary_id, user_id, prov.session_id, text.strip(), prov.origin, at))
+        self._log(c, "add", prov, user_id, f"summaries:{summary_id}", detail={"text": text.strip()})
+
+    def summaries(self, user_id: str, limit: int = 20) -> list[Summary]:
+        return self._summaries(self._conn(), user_id, limit)
+
+    def _summaries(self, c: sqlite3.Connection, user_id: str, limit: int) -> list[Summary]:
+        rows = c.execute("SELECT summary_id, user_id, session_id, text, origin, created_at FROM summaries "
+                         "WHERE user_id = ? ORDER BY created_at DESC, summary_id LIMIT ?", (user_id, limit))
+        return [Summary(*r) for r in rows]
+
+    def persona(self, user_id: str) -> dict[int, PersonaValue]:
+        return self._persona(self._conn(), user_id)
+
+    def _persona(self, c: sqlite3.Connection, user_id: str) -> dict[int, PersonaValue]:
+        rows = c.execute("SELECT dim, value, confidence, evidence, origin FROM persona WHERE user_id = ? ORDER BY dim",
+                         (user_id,))
+        return {r[0]: PersonaValue(*r) for r in rows}
+
+    def _merge_persona(self, c: sqlite3.Connection, user_id: str, updates: Sequence[PersonaUpdate],
+                       prov: Provenance) -> None:
+        have = self._persona(c, user_id)
+        for u in updates:
+            if not (0 <= u.dim < 90 and 0.0 <= u.value <= 1.0 and 0.0 <= u.confidence <= 1.0):
+                raise StoreError(f"persona update out of range: {u}")
+            old = have.get(u.dim)
+            if old is None:
+                value, conf = u.value, u.confidence
+            else:  # confidence-weighted mean; independent evidence raises confidence
+                w = old.confidence + u.confidence
+                value = (old.value * old.confidence + u.value * u.confidence) / w if w > 0 else u.value
+                conf = 1.0 - (1.0 - old.confidence) * (1.0 - u.confidence)
+            value, conf = round(value, 6), round(conf, 6)
+            c.execute(
+                "INSERT INTO persona (user_id, dim, value, confidence, evidence, session_id, origin, updated_at) "
+                "VALUES (?,?,?,?,?,?,?,?) ON CONFLICT (user_id, dim) DO UPDATE SET value = excluded.value, "
+                "confidence = excluded.confidence, evidence = excluded.evidence, session_id = excluded.session_id, "
+                "origin = excluded.origin, updated_at = excluded.updated_at",
+                (user_id, u.dim, value, conf, u.evidence[:500], prov.session_id, prov.origin, self._clock()))
+            have[u.dim] = PersonaValue(u.dim, value, conf, u.evidence, prov.origin)
+            self._log(c, "persona_update", prov, user_id, f"persona:{u.dim}",
+                      detail={"dim": u.dim, "value": value, "confidence": conf, "evidence": u.evidence[:500]})
+
+    def update_persona(self, user_id: str, updates: Sequence[PersonaUpdate], prov: Provenance = MANUAL) -> None:
+        with self._write() as c:
+            self._live_user(c, user_id)
+            self._merge_persona(c, user_id, updates, prov)
+            self._touch(c, user_id)
+
+    def _insert_relation(self, c: sqlite3.Connection, relation_id: str, user_id: str, other: str, relation: str,
+                         at: float, prov: Provenance) -> bool:
+        relation = " ".join(relation.lower().split())
+        if not relation:
+            raise StoreError("a relation needs words (e.g. 'sister')")
+        if c.execute("SELECT 1 FROM relations WHERE user_id = ? AND other_user_id = ? AND relation = ? "
+                     "AND invalid_at IS NULL", (user_id, other, relation)).fetchone():
+            return False
+        c.execute(f"INSERT INTO relations ({_REL_COLS}, created_at) VALUES (?,?,?,?,?,NULL,?,?,?)",
+                  (relation_id, user_id, other, relation, at, prov.session_id, prov.origin, self._clock()))
+        self._log(c, "add", prov, user_id, f"relations:{relation_id}", related_user_id=other,
+                  detail={"relation": relation})
+        return True
+
+    def add_relation(self, user_id: str, other_user_id: str, relation: str, prov: Provenance = MANUAL) -> str:
+        rid = uuid.uuid4().hex
+        if user_id == other_user_id:
+            raise StoreError("a relation links two different users")
+        with self._write() as c:
+            self._live_user(c, user_id)
+            self._live_user(c, other_user_id)
+            if self._insert_relation(c, rid, user_id, other_user_id, relation, self._clock(), prov):
+                self._touch(c, user_id)
+        return rid
+
+    def relations(self, user_id: str) -> list[tuple[Relation, str]]:
+        return self._relations(self._conn(), user_id)
+
+    def _relations(self, c: sqlite3.Connection, user_id: str) -> list[tuple[Relation, str]]:
+        cols = ", ".join(f"r.{x.strip()}" for x in _REL_COLS.split(","))
+        rows = c.execute(
+            f"SELECT {cols}, u.name FROM relations r JOIN users u ON u.user_id = "
+            "CASE WHEN r.user_id = ? THEN r.other_user_id ELSE r.user_id END "
+            "WHERE (r.user_id = ? OR r.other_user_id = ?) AND r.invalid_at IS NULL ORDER BY r.valid_from, r.relation_id",
+            (user_id, user_id, user_id))
+        return [(Relation(*r[:-1]), r[-1]) for r in rows]
+
+    # ------------------------------------------------------------------ profile, sessions
+
+    def profile(self, user_id: str, summaries: int = 5) -> Profile:
+        with self._read() as c:
+            row = c.execute(f"SELECT {_USER_COLS} FROM users WHERE user_id = ?", (user_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"unknown user {user_id!r}")
+            user = User(*row)
+            if user.merged_into:
+                raise StoreError(f"user {user_id!r} was merged into {user.merged_into!r}")
+            return Profile(user, self._items(c, user_id, "fact", False), self._items(c, user_id, "preference", False),
+                           self._summaries(c, user_id, summaries), self._persona(c, user_id),
+                           self._relations(c, user_id))
+
+    def get_session(self, session_id: str) -> SessionRecord | None:
+        row = self._conn().execute(f"SELECT {_SESSION_COLS} FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        return SessionRecord(*row) if row else None
+
+    def list_sessions(self, user_id: str | None = None, stream_id: str | None = None) -> list[SessionRecord]:
+        q, params = f"SELECT {_SESSION_COLS} FROM sessions WHERE 1 = 1", []
+        if user_id:
+            q += " AND user_id = ?"
+            params.append(user_id)
+        if stream_id:
+            q += " AND stream_id = ?"
+            params.append(stream_id)
+        rows = self._conn().execute(q + " ORDER BY stream_id, chunk_index, start_step", params)
+        return [SessionRecord(*r) for r in rows]
+
+    def commit_session(self, m: SessionCommit) -> bool:
+        prov = m.provenance
+        with self._write() as c:
+            if c.execute("SELECT 1 FROM sessions WHERE session_id = ?", (m.session_id,)).fetchone():
+                return False  # already committed: processing a session twice changes nothing
+            if m.user_id is None and not m.new_user_id:  # nobody to attribute it to, and nothing said
+                c.execute(f"INSERT INTO sessions ({_SESSION_COLS}) VALUES (?,?,?,?,?,NULL,?,?,'done',?)",
+                          (m.session_id, m.stream_id, m.chunk_index, m.start_step, m.end_step, m.transcript,
+                           m.transcript_source, self._clock()))
+                return True
+            if m.user_id is None:
+                user_id = m.new_user_id
+                self._insert_user(c, user_id, (m.name or UNKNOWN_USER).strip(), prov, m.name_reason or "new user")
+            else:
+                user_id = m.user_id
+                u = self._live_user(c, user_id)
+                if m.expected_version is not None and u.version != m.expected_version:
+                    raise VersionConflict(f"user {user_id} is at version {u.version}, "
+                                          f"the decisions were made at {m.expected_version}")
+                if m.name and m.name.strip() and m.name.strip() != u.name:
+                    c.execute("UPDATE users SET name = ? WHERE user_id = ?", (m.name.strip(), user_id))
+                    self._log(c, "rename", prov, user_id, f"users:{user_id}", m.name_reason,
+                              detail={"old": u.name, "new": m.name.strip()})
+            if m.name and m.name.strip():
+                self._absorb_placeholder(c, user_id, m.name.strip(), prov)
+            for i, k in enumerate(m.keys):
+                self._insert_key(c, derived_id(m.session_id, "key", i), user_id, k.modality, k.model_id, k.vector, prov)
+            for i, d in enumerate(m.decisions):
+                new_id = derived_id(m.session_id, "item", i)
+                if d.action in ("supersede", "retract"):
+                    if not d.target_id:
+                        raise StoreError(f"decision {i} ({d.action}) needs target_id")
+                    self._close_item(c, user_id, d.target_id, m.valid_from,
+                                     new_id if d.action == "supersede" else None, prov, d.reason)
+                if d.action in ("add", "supersede"):
+                    key, polarity = d.key, d.polarity
+                    if d.action == "supersede":
+                        old = self._item_row(c, d.target_id)  # type: ignore[arg-type]
+                        key, polarity = key or old.key, polarity or old.polarity
+                    self._insert_item(c, new_id, user_id, d.kind, d.text, key, polarity, m.valid_from, prov, d.reason)
+            if m.persona:
+                self._merge_persona(c, user_id, m.persona, prov)
+            if m.summary and m.summary.strip():
+                self._insert_summary(c, derived_id(m.session_id, "summary"), user_id, m.summary, m.valid_from, prov)
+            for i, (person, relation) in enumerate(m.relations):
+                other = self._person(c, user_id, person, derived_id(m.session_id, "person", person.lower()), prov)
+                if other is not None:
+                    self._insert_relation(c, derived_id(m.session_id, "relation", i), user_id, other, relation,
+                                          m.valid_from, prov)
+            c.execute(f"INSERT INTO sessions ({_SESSION_COLS}) VALUES (?,?,?,?,?,?,?,?,'done',?)",
+                      (m.session_id, m.stream_id, m.chunk_index, m.start_step, m.end_step, user_id, m.transcript,
+                       m.transcript_source, self._clock()))
+            self._touch(c, user_id)
+        return True
+
+    def _absorb_placeholder(self, c: sqlite3.Connection, user_id: str, name: str, prov: Provenance) -> None:
+        """A user who says their name may be someone others already mentioned (a keyless user of
+        that name, made from "my sister Marta"): if exactly one such user exists, merge it in, so
+        the social graph reaches the real person."""
+        rows = c.execute("SELECT u.user_id FROM users u WHERE lower(u.name) = lower(?) AND u.merged_into IS NULL "
+                         "AND u.user_id != ? AND NOT EXISTS (SELECT 1 FROM biometric_keys k WHERE k.user_id = u.user_id)"
+                         " AND NOT EXISTS (SELECT 1 FROM sessions s WHERE s.user_id = u.user_id)",
+                         (name, user_id)).fetchall()
+        if len(rows) == 1:
+            self._merge(c, user_id, rows[0][0], prov, f"'{name}' was mentioned by others before they met us")
+
+    def _person(self, c: sqlite3.Connection, user_id: str, person: str, new_id: str, prov: Provenance) -> str | None:
+        """The user a mentioned person is: a unique live user of that name, else a new user (no keys yet)."""
+        person = " ".join(person.split())
+        if not person or person.lower() == UNKNOWN_USER:
+            return None
+        rows = c.execute("SELECT user_id FROM users WHERE lower(name) = lower(?) AND merged_into IS NULL "
+                         "AND user_id != ?", (person, user_id)).fetchall()
+        if len(rows) == 1:
+            return rows[0][0]
+        if c.execute("SELECT 1 FROM users WHERE user_id = ?", (new_id,)).fetchone():
+            return new_id
+        self._insert_user(c, new_id, person, prov, "mentioned by a user")
+        return new_id
+
+    # ------------------------------------------------------------------ operation log
+
+    def op_log(self, user_id: str | None = None, after_op_id: int = 0, limit: int = 1000) -> list[OpLogEntry]:
+        q = ("SELECT op_id, ts, op, actor, user_id, related_user_id, target, session_id, llm_model, prompt_hash, "
+             "reason, detail FROM op_log WHERE op_id > ?")
+        params: list[Any] = [after_op_id]
+        if user_id:
+            q += " AND (user_id = ? OR related_user_id = ?)"
+            params += [user_id, user_id]
+        rows = self._conn().execute(q + " ORDER BY op_id LIMIT ?", params + [limit])
+        return [OpLogEntry(*r[:-1], json.loads(r[-1] or "{}")) for r in rows]
+
+    # ------------------------------------------------------------------ job queue
+
+    @staticmethod
+    def _job(row: Sequence[Any]) -> Job:
+        return Job(row[0], row[1], row[2], json.loads(row[3]) if row[3] else None, row[4], row[5], row[6], row[7],
+                   row[8], json.loads(row[9]) if row[9] else None, row[10])
+
+    def enqueue_job(self, kind: str, key: str, payload: dict[str, Any], max_attempts: int | None = None) -> Job:
+        now = self._clock()
+        with self._write() as c:
+            c.execute("INSERT INTO jobs (job_id, job_key, kind, payload, status, attempts, max_attempts, available_at, "
+                      "created_at, updated_at) VALUES (?,?,?,?,'queued',0,?,?,?,?) ON CONFLICT (job_key) DO NOTHING",
+                      (uuid.uuid4().hex, key, kind, json.dumps(payload, sort_keys=True),
+                       max_attempts or self._job_max_attempts, now, now, now))
+            return self._job(c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE job_key = ?", (key,)).fetchone())
+
+    def claim_job(self, worker: str, lease_s: float, kinds: Sequence[str] | None = None) -> Job | None:
+        while True:
+            now = self._clock()
+            with self._write() as c:
+                q = (f"SELECT {_JOB_COLS} FROM jobs WHERE ((status = 'queued' AND available_at <= ?) "
+                     "OR (status = 'running' AND lease_until < ?))")
+                params: list[Any] = [now, now]
+                if kinds:
+                    q += f" AND kind IN ({','.join('?' * len(kinds))})"
+                    params += list(kinds)
+                row = c.execute(q + " ORDER BY available_at, created_at LIMIT 1", params).fetchone()
+                if row is None:
+                    return None
+                job = self._job(row)
+                if job.attempts >= job.max_attempts:  # its last worker died holding it
+                    self._kill_job(c, job, job.error or "lease expired on the last attempt (worker died?)")
+                    continue
+                c.execute("UPDATE jobs SET status = 'running', attempts = attempts + 1, lease_until = ?, worker = ?, "
+                          "updated_at = ? WHERE job_id = ?", (now + lease_s, worker, now, job.job_id))
+                return self._job(c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE job_id = ?", (job.job_id,)).fetchone())
+
+    def _kill_job(self, c: sqlite3.Connection, job: Job, error: str) -> None:
+        now = self._clock()
+        c.execute("UPDATE jobs SET status = 'dead', error = ?, lease_until = NULL, updated_at = ? WHERE job_id = ?",
+                  (error, now, job.job_id))
+        c.execute(f"INSERT INTO dead_letters ({_DL_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,NULL,NULL)",
+                  (uuid.uuid4().hex, "job", job.kind, job.job_id, None, None,
+                   json.dumps({"job_key": job.key, "payload": job.payload}, sort_keys=True), error, job.attempts, now))
+
+    def heartbeat_job(self, job_id: str, worker: str, lease_s: float) -> bool:
+        with self._write() as c:
+            n = c.execute("UPDATE jobs SET lease_until = ? WHERE job_id = ? AND worker = ? AND status = 'running'",
+                          (self._clock() + lease_s, job_id, worker)).rowcount
+        return n == 1
+
+    def complete_job(self, job_id: str, worker: str, result: dict[str, Any]) -> bool:
+        with self._write() as c:
+            n = c.execute("UPDATE jobs SET status = 'done', payload = NULL, result = ?, error = NULL, lease_until = NULL, "
+                          "updated_at = ? WHERE job_id = ? AND worker = ? AND status = 'running'",
+                          (json.dumps(result, sort_keys=True), self._clock(), job_id, worker)).rowcount
+        return n == 1
+
+    def fail_job(self, job_id: str, worker: str, error: str, retry_in_s: float) -> Job:
+        with self._write() as c:
+            row = c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"unknown job {job_id!r}")
+            job = self._job(row)
+            if job.status == "running" and job.worker == worker:
+                if job.attempts >= job.max_attempts:
+                    self._kill_job(c, job, error)
+                else:
+                    c.execute("UPDATE jobs SET status = 'queued', available_at = ?, error = ?, lease_until = NULL, "
+                              "updated_at = ? WHERE job_id = ?",
+                              (self._clock() + retry_in_s, error, self._clock(), job_id))
+            return self._job(c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone())
+
+    def get_job(self, job_id: str) -> Job | None:
+        row = self._conn().execute(f"SELECT {_JOB_COLS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return self._job(row) if row else None
+
+    def list_jobs(self, status: str | None = None) -> list[Job]:
+        q, params = f"SELECT {_JOB_COLS} FROM jobs", []
+        if status:
+            q += " WHERE status = ?"
+            params.append(status)
+        return [self._job(r) for r in self._conn().execute(q + " ORDER BY created_at, job_id", params)]
+
+    # ------------------------------------------------------------------ dead letters
+
+    def add_dead_letter(self, source: str, stage: str, payload: dict[str, Any], error: str, attempts: int,
+                        job_id: str | None = None, session_id: str | None = None, user_id: str | None = None) -> str:
+        dl_id = uuid.uuid4().hex
+        with self._write() as c:
+            c.execute(f"INSERT INTO dead_letters ({_DL_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,NULL,NULL)",
+                      (dl_id, source, stage, job_id, session_id, user_id, json.dumps(payload, sort_keys=True), error,
+                       attempts, self._clock()))
+        return dl_id
+
+    def dead_letters(self, unresolved_only: bool = True) -> list[DeadLetter]:
+        q = f"SELECT {_DL_COLS} FROM dead_letters" + (" WHERE resolved_at IS NULL" if unresolved_only else "")
+        rows = self._conn().execute(q + " ORDER BY created_at, dl_id")
+        return [DeadLetter(*r[:6], json.loads(r[6]), *r[7:]) for r in rows]
+
+    def resolve_dead_letters(self, resolution: str, dl_id: str | None = None, session_id: str | None = None) -> int:
+        if not (dl_id or session_id):
+            raise StoreError("resolve_dead_letters needs dl_id or session_id")
+        col, val = ("dl_id", dl_id) if dl_id else ("session_id", session_id)
+        with self._write() as c:
+            return c.execute(f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE {col} = ? "
+                             "AND resolved_at IS NULL", (self._clock(), resolution, val)).rowcount
+
+    def requeue_dead_letter(self, dl_id: str) -> Job | None:
+        with self._write() as c:
+            row = c.execute("SELECT job_id FROM dead_letters WHERE dl_id = ?", (dl_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"unknown dead letter {dl_id!r}")
+            job_id = row[0]
+            c.execute("UPDATE dead_letters SET resolved_at = ?, resolution = 'requeued' WHERE dl_id = ?",
+                      (self._clock(), dl_id))
+            if job_id is None:
+                return None
+            c.execute("UPDATE jobs SET status = 'queued', attempts = 0, available_at = ?, lease_until = NULL, "
+                      "worker = NULL, updated_at = ? WHERE job_id = ? AND status = 'dead'",
+                      (self._clock(), self._clock(), job_id))
+            return self._job(c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone())
+
+    # ------------------------------------------------------------------ LLM answers
+
+    def get_llm_response(self, prompt_hash: str) -> dict[str, Any] | None:
+        row = self._conn().execute("SELECT response FROM llm_calls WHERE prompt_hash = ?", (prompt_hash,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def put_llm_response(self, prompt_hash: str, session_id: str | None, model: str, stage: str,
+                         response: dict[str, Any]) -> None:
+        with self._write() as c:
+            c.execute("INSERT INTO llm_calls (prompt_hash, session_id, model, stage, response, created_at) "
+                      "VALUES (?,?,?,?,?,?) ON CONFLICT (prompt_hash) DO NOTHING",
+                      (prompt_hash, session_id, model, stage, json.dumps(response, sort_keys=True), self._clock()))
+
+
+def _split_sql(script: str) -> list[str]:
+    """Split a migration into complete statements (trigger bodies hold ';' until their END)."""
+    out, buf = [], ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            out.append(buf.strip())
+            buf = ""
+    if buf.strip():
+        raise StoreError(f"incomplete SQL statement in a migration: {buf.strip()[:80]!r}")
+    return out

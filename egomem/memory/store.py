@@ -1,0 +1,255 @@
+"""The memory store interface (`MemoryStore`) and `open_store(cfg)`.
+
+The store is the source of truth for everything remembered about people (DESIGN.md §7): users,
+biometric keys, facts and preferences (superseded, never overwritten), summaries, the 90-dimension
+persona, relations, sessions, the durable job queue, dead letters and the append-only operation
+log. Every index (faiss vectors, BM25) is rebuilt from it: `list_keys()` + `keys_generation()` for
+vectors, `neighbour_memories()` for Level-2 documents.
+
+Backends: `SQLiteMemoryStore` (WAL, embedded default). A PostgreSQL backend implements the same
+abstract methods; `render_profile` / `neighbour_memories` are written once here on top of them.
+All methods are thread-safe; several processes may open the same database.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+import numpy as np
+
+from egomem.memory import persona as persona_dims
+from egomem.memory.types import (
+    BiometricKey,
+    DeadLetter,
+    ForgetReceipt,
+    Job,
+    MemoryItem,
+    Modality,
+    NeighbourMemory,
+    OpLogEntry,
+    PersonaUpdate,
+    PersonaValue,
+    Polarity,
+    Profile,
+    Provenance,
+    Relation,
+    SessionCommit,
+    SessionRecord,
+    Summary,
+    UNKNOWN_USER,
+    User,
+)
+
+MANUAL = Provenance(actor="api", origin="manual")  # default provenance of direct (REST / admin) edits
+
+
+class StoreError(RuntimeError):
+    """A request the store cannot honour (unknown user, item not current, ...). The message says which."""
+
+
+class VersionConflict(StoreError):
+    """The user changed after the profile was read; re-read the profile and decide again."""
+
+
+class MemoryStore(abc.ABC):
+    """What the memory manager, the worker and the orchestrator call. See the module docstring."""
+
+    # ---- users ----
+    @abc.abstractmethod
+    def create_user(self, name: str = UNKNOWN_USER, prov: Provenance = MANUAL) -> User: ...
+    @abc.abstractmethod
+    def get_user(self, user_id: str) -> User | None:
+        """The user row as stored (a merged-away user comes back with `merged_into` set)."""
+    @abc.abstractmethod
+    def resolve_user(self, user_id: str) -> User | None:
+        """Follow `merged_into` to the live user; None when unknown or forgotten."""
+    @abc.abstractmethod
+    def list_users(self, include_merged: bool = False) -> list[User]: ...
+    @abc.abstractmethod
+    def rename_user(self, user_id: str, name: str, prov: Provenance = MANUAL, reason: str = "") -> User: ...
+    @abc.abstractmethod
+    def merge_users(self, keep_id: str, drop_id: str, prov: Provenance = MANUAL, reason: str = "") -> User:
+        """Move everything of `drop_id` to `keep_id`; `drop_id` stays as a tombstone pointing at it."""
+    @abc.abstractmethod
+    def forget_user(self, user_id: str, prov: Provenance = MANUAL, reason: str = "") -> ForgetReceipt:
+        """Remove the user's keys, memories, relations, sessions, transcripts, LLM answers, dead
+        letters and log rows; append one 'forget' row that names no one; prove it by a scan."""
+    @abc.abstractmethod
+    def verify_forgotten(self, user_id: str, vectors: Sequence[np.ndarray] = (), name: str | None = None) -> list[str]:
+        """'<table>.<column>' cells that still hold the id, a vector's bytes, or the name."""
+
+    # ---- biometric keys (vector index source) ----
+    @abc.abstractmethod
+    def add_key(self, user_id: str, modality: Modality, model_id: str, vector: np.ndarray,
+                prov: Provenance = MANUAL) -> str: ...
+    @abc.abstractmethod
+    def list_keys(self, modality: Modality | None = None, model_id: str | None = None,
+                  user_id: str | None = None) -> list[BiometricKey]:
+        """Keys of live users, for (re)building the vector index."""
+    @abc.abstractmethod
+    def keys_generation(self) -> int:
+        """Changes whenever a key is added or removed (forget, merge): rebuild the index when it does."""
+
+    # ---- facts and preferences ----
+    @abc.abstractmethod
+    def add_item(self, user_id: str, kind: str, text: str, key: str | None = None,
+                 polarity: Polarity | None = None, prov: Provenance = MANUAL, reason: str = "") -> str: ...
+    @abc.abstractmethod
+    def supersede_item(self, item_id: str, text: str, prov: Provenance = MANUAL, reason: str = "",
+                       polarity: Polarity | None = None) -> str:
+        """Close the item (invalid_at = now, superseded_by = new) and add its replacement; returns the new id."""
+    @abc.abstractmethod
+    def retract_item(self, item_id: str, prov: Provenance = MANUAL, reason: str = "") -> None: ...
+    @abc.abstractmethod
+    def items(self, user_id: str, kind: str | None = None, history: bool = False) -> list[MemoryItem]:
+        """Current facts / preferences (history=True: also superseded and retracted ones)."""
+
+    def add_fact(self, user_id: str, text: str, key: str | None = None, prov: Provenance = MANUAL,
+                 reason: str = "") -> str:
+        return self.add_item(user_id, "fact", text, key=key, prov=prov, reason=reason)
+
+    def add_preference(self, user_id: str, item: str, polarity: Polarity, prov: Provenance = MANUAL,
+                       reason: str = "") -> str:
+        return self.add_item(user_id, "preference", item, polarity=polarity, prov=prov, reason=reason)
+
+    def facts(self, user_id: str, history: bool = False) -> list[MemoryItem]:
+        return self.items(user_id, "fact", history)
+
+    def preferences(self, user_id: str, history: bool = False) -> list[MemoryItem]:
+        return self.items(user_id, "preference", history)
+
+    # ---- summaries, persona, relations ----
+    @abc.abstractmethod
+    def add_summary(self, user_id: str, text: str, prov: Provenance = MANUAL) -> str: ...
+    @abc.abstractmethod
+    def summaries(self, user_id: str, limit: int = 20) -> list[Summary]:
+        """Newest first."""
+    @abc.abstractmethod
+    def persona(self, user_id: str) -> dict[int, PersonaValue]: ...
+    @abc.abstractmethod
+    def update_persona(self, user_id: str, updates: Sequence[PersonaUpdate], prov: Provenance = MANUAL) -> None:
+        """Confidence-weighted merge of new evidence into each dimension."""
+    @abc.abstractmethod
+    def add_relation(self, user_id: str, other_user_id: str, relation: str, prov: Provenance = MANUAL) -> str:
+        """Record "other is user's <relation>" (e.g. sister). Idempotent for the same triplet."""
+    @abc.abstractmethod
+    def relations(self, user_id: str) -> list[tuple[Relation, str]]:
+        """Current relations touching the user, both directions, with the other user's name."""
+
+    # ---- whole profile, sessions, the one-transaction session write ----
+    @abc.abstractmethod
+    def profile(self, user_id: str, summaries: int = 5) -> Profile:
+        """A consistent snapshot (one read transaction) of the user's current memory."""
+    @abc.abstractmethod
+    def get_session(self, session_id: str) -> SessionRecord | None: ...
+    @abc.abstractmethod
+    def list_sessions(self, user_id: str | None = None, stream_id: str | None = None) -> list[SessionRecord]: ...
+    @abc.abstractmethod
+    def commit_session(self, commit: SessionCommit) -> bool:
+        """Apply everything one session produced atomically. False (and no change) when the
+        session was already committed; `VersionConflict` when `expected_version` is stale."""
+
+    # ---- the operation log ----
+    @abc.abstractmethod
+    def op_log(self, user_id: str | None = None, after_op_id: int = 0, limit: int = 1000) -> list[OpLogEntry]: ...
+
+    # ---- durable job queue ----
+    @abc.abstractmethod
+    def enqueue_job(self, kind: str, key: str, payload: dict[str, Any], max_attempts: int | None = None) -> Job:
+        """Idempotent by `key`: enqueueing an existing key returns the existing job unchanged."""
+    @abc.abstractmethod
+    def claim_job(self, worker: str, lease_s: float, kinds: Sequence[str] | None = None) -> Job | None:
+        """Take the oldest ready job (or one whose lease expired: its worker died)."""
+    @abc.abstractmethod
+    def heartbeat_job(self, job_id: str, worker: str, lease_s: float) -> bool: ...
+    @abc.abstractmethod
+    def complete_job(self, job_id: str, worker: str, result: dict[str, Any]) -> bool:
+        """False when the lease was lost (another worker owns the job now)."""
+    @abc.abstractmethod
+    def fail_job(self, job_id: str, worker: str, error: str, retry_in_s: float) -> Job:
+        """Re-queue after `retry_in_s`, or once attempts are used up: status 'dead' + a dead letter."""
+    @abc.abstractmethod
+    def get_job(self, job_id: str) -> Job | None: ...
+    @abc.abstractmethod
+    def list_jobs(self, status: str | None = None) -> list[Job]: ...
+
+    # ---- dead letters ----
+    @abc.abstractmethod
+    def add_dead_letter(self, source: str, stage: str, payload: dict[str, Any], error: str, attempts: int,
+                        job_id: str | None = None, session_id: str | None = None,
+                        user_id: str | None = None) -> str: ...
+    @abc.abstractmethod
+    def dead_letters(self, unresolved_only: bool = True) -> list[DeadLetter]: ...
+    @abc.abstractmethod
+    def resolve_dead_letters(self, resolution: str, dl_id: str | None = None, session_id: str | None = None) -> int: ...
+    @abc.abstractmethod
+    def requeue_dead_letter(self, dl_id: str) -> Job | None:
+        """Put a dead job back in the queue (attempts reset) and mark the letter resolved."""
+
+    # ---- LLM answers (replayed on re-runs so a retried job reaches the same result) ----
+    @abc.abstractmethod
+    def get_llm_response(self, prompt_hash: str) -> dict[str, Any] | None: ...
+    @abc.abstractmethod
+    def put_llm_response(self, prompt_hash: str, session_id: str | None, model: str, stage: str,
+                         response: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # ---- written once on top of the primitives ----
+
+    def render_profile(self, user_id: str, max_chars: int = 2000) -> str:
+        """The user's profile as plain text for the Level-1 MemChunk, most important lines first,
+        cut at a line boundary to `max_chars` (the MemChunk holds 512 text steps)."""
+        p = self.profile(user_id)
+        lines = [f"name: {p.user.name}"]
+        outgoing = [f"{name} ({r.relation})" for r, name in p.relations if r.user_id == p.user.user_id]
+        if outgoing:
+            lines.append("people: " + "; ".join(outgoing))
+        lines += [f"fact: {f.text}" for f in p.facts]
+        lines += [f"{pr.polarity or 'likes'}s: {pr.text}" for pr in p.preferences]
+        leaning = [
+            persona_dims.describe(d, v.value)
+            for d, v in sorted(p.persona.items(), key=lambda kv: -kv[1].confidence)
+            if v.confidence >= 0.5
+        ]
+        leaning = [t for t in leaning if t]
+        if leaning:
+            lines.append("persona: " + "; ".join(leaning))
+        lines += [f"earlier: {s.text}" for s in p.summaries]
+        out: list[str] = []
+        used = 0
+        for line in lines:
+            if used + len(line) + 1 > max_chars:
+                break
+            out.append(line)
+            used += len(line) + 1
+        return "\n".join(out)
+
+    def neighbour_memories(self, user_id: str, per_neighbour: int = 20) -> list[NeighbourMemory]:
+        """Related users and their memory items: the documents of Level-2 retrieval
+        ((neighbour name, relation words, one memory item) each)."""
+        out = []
+        for rel, name in self.relations(user_id):
+            inverse = rel.user_id != user_id
+            other = rel.user_id if inverse else rel.other_user_id
+            items = [i.text if i.kind == "fact" else f"{i.polarity}s {i.text}" for i in self.items(other)]
+            items += [s.text for s in self.summaries(other, limit=3)]
+            out.append(NeighbourMemory(other, name, rel.relation, inverse, items[:per_neighbour]))
+        return out
+
+
+def open_store(cfg: Any) -> MemoryStore:
+    """The store named by `MemoryConfig` (`cfg.backend`, `cfg.database`)."""
+    backend = getattr(cfg, "backend", "sqlite")
+    if backend == "sqlite":
+        from egomem.memory.sqlite_store import SQLiteMemoryStore
+
+        return SQLiteMemoryStore(
+            cfg.database,
+            busy_timeout_s=getattr(cfg, "busy_timeout_s", 30.0),
+            synchronous=getattr(cfg, "synchronous", "FULL"),
+            job_max_attempts=getattr(cfg, "job_max_attempts", 5),
+        )
+    raise StoreError(f"memory.backend = {backend!r} is not implemented; use 'sqlite'")

@@ -1,0 +1,129 @@
+"""The memory worker: claims stream-chunk jobs from the durable queue and runs the memory manager.
+
+`egomem serve` starts `run_worker(cfg, stop_event)` in a thread or process (or run it alone:
+`python -m egomem.memory.worker --config FILE`). Several workers may share one database (SQLite:
+processes on one machine; several machines need the PostgreSQL backend): a job is leased to one
+worker, and a worker that dies loses its lease, so another picks the job up and re-runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+from egomem.memory.agents import LLMExtractor, LLMUpdateAgent
+from egomem.memory.chunk import JOB_KIND, StreamChunk
+from egomem.memory.identify import Identifier, StoreIdentifier
+from egomem.memory.llm import LLMClient
+from egomem.memory.manager import MemoryManager
+from egomem.memory.rules import RuleExtractor, RuleUpdateAgent
+from egomem.memory.segment import TriggerLabeler
+from egomem.memory.store import MemoryStore, open_store
+from egomem.memory.transcribe import Transcriber
+from egomem.memory.types import Job
+
+log = logging.getLogger(__name__)
+
+
+def use_llm(cfg: Any) -> bool:
+    """memory.extractor: 'llm' requires the key, 'rules' never calls out, 'auto' uses the key if it is set."""
+    mode = cfg.memory.extractor
+    has_key = bool(os.environ.get(cfg.llm.api_key_env))
+    if mode == "llm" and not has_key:
+        raise RuntimeError(f"memory.extractor = 'llm' but ${cfg.llm.api_key_env} is empty; set the key or use 'auto'")
+    return mode == "llm" or (mode == "auto" and has_key)
+
+
+def default_labeler(cfg: Any) -> TriggerLabeler:
+    """The trained episodic trigger of `egomem.trigger` (in-process, config [trigger])."""
+    try:
+        from egomem.trigger.labeler import TriggerLabeler as Trained  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise RuntimeError("no episodic trigger to cut sessions: pass labeler= (any object with "
+                           "label(tokens [T, 17]) -> labels [T]) or install egomem.trigger") from e
+    return Trained(cfg.trigger)
+
+
+def build_manager(cfg: Any, store: MemoryStore, labeler: TriggerLabeler | None = None,
+                  identifier: Identifier | None = None) -> MemoryManager:
+    m = cfg.memory
+    if use_llm(cfg):
+        client = LLMClient(cfg.llm, store)
+        extractor: Any = LLMExtractor(client)
+        updater: Any = LLMUpdateAgent(client)
+    else:
+        log.warning("memory manager: using the rule-based extractor (offline fallback): memory.extractor = %r, "
+                    "$%s %s", cfg.memory.extractor, cfg.llm.api_key_env,
+                    "set" if os.environ.get(cfg.llm.api_key_env) else "empty")
+        extractor, updater = RuleExtractor(), RuleUpdateAgent()
+    return MemoryManager(
+        store, labeler or default_labeler(cfg),
+        identifier or StoreIdentifier(store, m.face_model_id, m.voice_model_id, m.face_threshold, m.voice_threshold),
+        extractor, updater, Transcriber(cfg.llm), m.face_model_id, m.voice_model_id, m.trigger_chunk_steps)
+
+
+def process_next_job(manager: MemoryManager, cfg: Any, worker_id: str) -> Job | None:
+    """Claim one job, run it, complete or fail it. Returns the job as it ends, None if the queue is empty."""
+    store, m = manager.store, cfg.memory
+    job = store.claim_job(worker_id, m.job_lease_s, kinds=[JOB_KIND])
+    if job is None:
+        return None
+    folder = Path((job.payload or {}).get("chunk_dir", ""))
+    try:
+        chunk = StreamChunk.load(folder)
+        outcomes = manager.process_chunk(
+            chunk, job.job_id, on_progress=lambda: store.heartbeat_job(job.job_id, worker_id, m.job_lease_s))
+        result = {"sessions": [{"session_id": o.session_id, "start": o.start_step, "end": o.end_step,
+                                "status": o.status} for o in outcomes]}
+        if store.complete_job(job.job_id, worker_id, result) and not m.keep_chunks:
+            shutil.rmtree(folder, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001 — any failure is recorded on the job and retried, never lost
+        delay = m.job_retry_base_s * 2 ** (job.attempts - 1)
+        log.error("job %s attempt %d failed: %s", job.job_id, job.attempts, e)
+        store.fail_job(job.job_id, worker_id, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}", delay)
+    return store.get_job(job.job_id)
+
+
+def run_worker(cfg: Any, stop_event: threading.Event, labeler: TriggerLabeler | None = None,
+               identifier: Identifier | None = None, store: MemoryStore | None = None,
+               worker_id: str | None = None) -> None:
+    """Process jobs until `stop_event` is set (the current job finishes first)."""
+    own = store is None
+    store = store or open_store(cfg.memory)
+    worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    manager = build_manager(cfg, store, labeler, identifier)
+    log.info("memory worker %s started on %s", worker_id, getattr(store, "path", "store"))
+    try:
+        while not stop_event.is_set():
+            if process_next_job(manager, cfg, worker_id) is None:
+                stop_event.wait(cfg.memory.worker_poll_s)
+    finally:
+        if own:
+            store.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import signal
+
+    from egomem.config import load_config
+
+    ap = argparse.ArgumentParser(description="Run the memory worker until SIGINT / SIGTERM.")
+    ap.add_argument("--config", default=None, help="TOML config (default: $EGOMEM_CONFIG, else built-in defaults)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    run_worker(load_config(args.config), stop)
+
+
+if __name__ == "__main__":
+    main()
