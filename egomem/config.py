@@ -171,7 +171,7 @@ class TriggerConfig:
     window_overlap_steps: int = 256  # context kept on each side of a window seam (~20 s), then discarded
     device: Device = "auto"
     # Model dims below are used only when training from scratch; a checkpoint carries its own.
-    dim: int = 96  # small enough to train in ~10 min on 2 CPU cores and ship under 5 MB
+    dim: int = 64  # small enough to train in ~12 min on one shared CPU core and ship under 5 MB
     num_layers: int = 3
     num_heads: int = 4
     emb_rank: int = 16  # low-rank audio embeddings (moshi's ScaledEmbedding low_rank): 16 x 2049 rows stay small

@@ -1,0 +1,171 @@
+"""Dialog engine vs Moshi's LMGen on the same weights, measured in the same run.
+
+1. Ticks: stream-steps/s and per-tick p50/p99 at each batch size B, the engine with every slot's
+   MemChunks filled (L1 + L2 written), LMGen with the same trained context (its ring cache attends
+   all `context` entries every step, masked, so its cost does not depend on how full it is).
+2. Refresh: one L1 MemChunk refresh for one slot vs re-prefilling that slot the standard way (one
+   full-sequence forward over [L1 ; L2 ; 2048 dialog steps], Moshi's fastest way to rebuild a cache).
+
+    python bench/bench_dialog.py                                  # tiny preset, CPU
+    python bench/bench_dialog.py --device cuda --preset 7b --batches 1,2,4,8,16,32,64
+
+Writes bench/results/bench_dialog.json and bench_dialog.png; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from moshi.models.lm import LMGen
+from moshi.utils.compile import no_compile
+
+from egomem.dialog import DialogEngine
+from egomem.dialog.checkpoint import DTYPES, build_lm
+
+TICK_BUDGET_MS = 80.0  # one Mimi frame
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _time_ticks(fn, device: torch.device, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):  # first steps are slow (allocator, caches)
+        fn()
+    return [_time(fn, device) for _ in range(steps)]
+
+
+def _summary(times_ms: list[float], B: int) -> dict:
+    q = statistics.quantiles(times_ms, n=100, method="inclusive")
+    return {"p50_ms": statistics.median(times_ms), "p99_ms": q[98],
+            "stream_steps_per_s": B * len(times_ms) / (sum(times_ms) / 1e3)}
+
+
+def bench_ticks(lm, B: int, warmup: int, steps: int, l1: int, l2: int, ring: int | None) -> tuple[dict, dict]:
+    """(engine, LMGen) tick timings at batch B, their ticks interleaved so machine noise hits both alike."""
+    n_listen = lm.num_codebooks - lm.dep_q - 1
+    codes = torch.randint(0, lm.card, (B, n_listen), device=lm.device)
+    gen = LMGen(lm, use_sampling=False)
+    eng = DialogEngine(lm, max_streams=B, l1_steps=l1, l2_steps=l2, ring_steps=ring)
+    slots = [eng.open() for _ in range(B)]
+    g = torch.Generator().manual_seed(0)
+    for s in slots:  # MemChunks filled: memory text then text-pad, as served
+        eng.write_memchunk(s, 1, torch.randint(4, lm.text_card, (l1 * 3 // 4,), generator=g))
+        eng.write_memchunk(s, 2, torch.randint(4, lm.text_card, (l2 * 3 // 4,), generator=g))
+    ours, ref = [], []
+    with gen.streaming(B):
+        for i in range(warmup + steps):
+            t_ref = _time(lambda: gen.step(codes[..., None]), lm.device)
+            t_ours = _time(lambda: eng.step(slots, codes), lm.device)
+            if i >= warmup:  # first steps are slow (allocator, caches)
+                ref.append(t_ref), ours.append(t_ours)
+    return _summary(ours, B), _summary(ref, B)
+
+
+def bench_refresh(lm, l1: int, l2: int, dialog_steps: int, repeats: int) -> dict:
+    ring = min(dialog_steps, lm.context or dialog_steps)
+    eng = DialogEngine(lm, max_streams=1, l1_steps=l1, l2_steps=l2, ring_steps=ring)
+    slot = eng.open()
+    tokens = torch.randint(4, lm.text_card, (l1 * 3 // 4,))
+    seq = torch.randint(0, lm.card, (1, lm.num_codebooks, l1 + l2 + dialog_steps), device=lm.device)
+    seq[:, 0] = torch.randint(0, lm.text_card, (1, seq.shape[2]))
+
+    def prefill():
+        with torch.no_grad():
+            lm.forward_text(seq)
+
+    refresh = _time_ticks(lambda: eng.write_memchunk(slot, 1, tokens), lm.device, 1, repeats)
+    full = _time_ticks(prefill, lm.device, 1, repeats)
+    return {"l1_refresh_ms": statistics.median(refresh), "reprefill_ms": statistics.median(full),
+            "reprefill_steps": l1 + l2 + dialog_steps,
+            "refresh_over_reprefill": statistics.median(refresh) / statistics.median(full)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "7b"])
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--steps", type=int, default=40, help="timed ticks per measurement")
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--l1", type=int, default=512)
+    ap.add_argument("--l2", type=int, default=256)
+    ap.add_argument("--ring", type=int, default=None, help="default: model context - l1 - l2")
+    ap.add_argument("--dialog-steps", type=int, default=2048, help="dialog steps re-prefilled in the refresh peer")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (0: torch default); 1: on a shared 2-core box more threads spin-wait")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_dialog.json")
+    args = ap.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device == "cuda" else torch.float32)
+    lm = build_lm(args.preset, device=args.device, dtype=dtype, seed=0)
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    with torch.no_grad(), no_compile():
+        for B in batches:
+            ours, ref = bench_ticks(lm, B, args.warmup, args.steps, args.l1, args.l2, args.ring)
+            rows.append({"B": B, "lmgen": ref, "engine": ours,
+                         "ratio_stream_steps": ours["stream_steps_per_s"] / ref["stream_steps_per_s"],
+                         "engine_within_80ms": ours["p99_ms"] <= TICK_BUDGET_MS})
+            print(f"B={B:3d}  engine {ours['stream_steps_per_s']:8.1f} st/s p50 {ours['p50_ms']:7.1f} ms "
+                  f"p99 {ours['p99_ms']:7.1f} ms | LMGen {ref['stream_steps_per_s']:8.1f} st/s p50 "
+                  f"{ref['p50_ms']:7.1f} ms p99 {ref['p99_ms']:7.1f} ms | ratio {rows[-1]['ratio_stream_steps']:.2f}x",
+                  flush=True)
+        refresh = bench_refresh(lm, args.l1, args.l2, args.dialog_steps, repeats=3)
+    print(f"L1 refresh {refresh['l1_refresh_ms']:.1f} ms vs re-prefill of {refresh['reprefill_steps']} steps "
+          f"{refresh['reprefill_ms']:.1f} ms -> {refresh['refresh_over_reprefill']:.3f}x")
+    within = [r["B"] for r in rows if r["engine_within_80ms"]]
+    result = {
+        "device": args.device, "preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "l1": args.l1, "l2": args.l2, "steps": args.steps,
+        "params_m": sum(p.numel() for p in lm.parameters()) / 1e6,
+        "ticks": rows, "refresh": refresh, "max_streams_within_80ms_p99": max(within) if within else 0,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    _plot(result, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Bs = [r["B"] for r in result["ticks"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("engine", "lmgen"):
+        a.plot(Bs, [r[name]["stream_steps_per_s"] for r in result["ticks"]], "o-", label=name)
+        b.plot(Bs, [r[name]["p50_ms"] for r in result["ticks"]], "o-", label=f"{name} p50")
+        b.plot(Bs, [r[name]["p99_ms"] for r in result["ticks"]], "x--", label=f"{name} p99")
+    b.axhline(TICK_BUDGET_MS, color="grey", lw=0.8, label="80 ms budget")
+    a.set(xscale="log", xlabel="streams B", ylabel="stream-steps/s", title="throughput (MemChunks filled)")
+    b.set(xscale="log", xlabel="streams B", ylabel="ms per tick", title="tick latency")
+    a.legend(), b.legend(fontsize=7)
+    ref = result["refresh"]
+    fig.suptitle(f"{result['preset']} on {result['device']}: L1 refresh {ref['l1_refresh_ms']:.0f} ms vs "
+                 f"re-prefill {ref['reprefill_ms']:.0f} ms ({ref['refresh_over_reprefill']:.2f}x)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

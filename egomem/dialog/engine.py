@@ -1,0 +1,329 @@
+"""DialogEngine: many full-duplex dialog streams over one Moshi `LMModel`, one batched step per tick.
+
+The engine owns a pool of `max_streams` slots. Each tick, `step(slots, listen_codes)` runs the
+temporal transformer for those slots only (rows gathered by slot index; other slots untouched) with
+attention over the MemChunk KV cache `[L1 | L2 | ring]` (see kv_cache.py), then the depth transformer
+for the 8 speak codebooks (moshi's depformer maths, without its per-tick streaming-state churn). Token
+delays are handled exactly as `moshi.models.lm.LMGen` does, per slot. Weights are the LMModel's own
+modules, never copied; greedy outputs equal LMGen's (tests/test_dialog_engine.py).
+
+`write_memchunk(slot, level, text_tokens)` refreshes a MemChunk: one forward pass over the chunk's
+steps for that slot (L2 attends to L1); keys are kept at their positions inside the chunk and rotated on
+to the chunk's virtual positions at read time (DESIGN.md §4, kv_cache.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from moshi.models.lm import LMModel
+from moshi.modules.transformer import create_sin_embedding
+from moshi.utils.compile import no_compile
+from moshi.utils.sampling import sample_token
+
+from egomem.kernels import Impl, rope_rotate
+
+from .kv_cache import MemChunkKVCache
+
+
+class NoFreeSlotError(RuntimeError):
+    """Every stream slot is in use."""
+
+
+class DialogEngine:
+    """A pool of dialog stream slots stepped together over one `LMModel` (see module docstring)."""
+
+    def __init__(self, lm: LMModel, max_streams: int, l1_steps: int = 512, l2_steps: int = 256,
+                 ring_steps: int | None = None, temperature: float = 0.0, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, kernels: Impl = "auto", top_k_text: int = 25,
+                 top_k_audio: int = 250, chunk_audio_token: int | None = None):
+        tr = lm.transformer
+        if tr.positional_embedding not in ("rope", "rope_concat"):
+            raise ValueError(f"DialogEngine needs a RoPE LMModel; this one uses {tr.positional_embedding!r}")
+        if lm.fuser is not None or lm.condition_provider is not None:
+            raise ValueError("conditioned LMModels (fuser / condition_provider) are not supported")
+        if lm.depformer is None:
+            raise ValueError("DialogEngine needs an LMModel with a depformer (dep_q > 0)")
+        attn0 = tr.layers[0].self_attn
+        if attn0.weights_per_step or tr.layers[0].cross_attention is not None:
+            raise ValueError("the temporal transformer must not use weights_per_step or cross-attention")
+        self.lm = lm.eval()
+        self.device = lm.device
+        if dtype is not None and dtype != lm.dtype:
+            raise ValueError(f"engine dtype {dtype} differs from the model's {lm.dtype}: load the model in {dtype}")
+        if device is not None and torch.device(device).type != lm.device.type:
+            raise ValueError(f"engine device {device} differs from the model's {lm.device}: move the model first")
+        self.dtype = lm.dtype
+        self.max_streams = max_streams
+        self.temperature = float(temperature)
+        self.top_k_text, self.top_k_audio = top_k_text, top_k_audio
+        # training layout: ring + chunk = the model's trained context, when it has one
+        if ring_steps is None:
+            ring_steps = (lm.context - l1_steps - l2_steps) if lm.context else 2048
+        if ring_steps <= 0:
+            raise ValueError(f"ring_steps must be positive; the chunks ({l1_steps} + {l2_steps}) leave none of "
+                             f"the model's {lm.context}-step context")
+        if lm.context is not None and ring_steps > lm.context:
+            raise ValueError(f"ring_steps {ring_steps} exceeds the model's trained context {lm.context}")
+        self.num_heads = attn0.num_heads
+        self.kv_repeat = attn0.kv_repeat
+        self.head_dim = lm.dim // self.num_heads
+        self.max_period = float(tr.rope.max_period)
+        self.interleave = bool(tr.rope.interleave)
+        self.cache = MemChunkKVCache(len(tr.layers), max_streams, self.num_heads // self.kv_repeat, self.head_dim,
+                                     l1_steps, l2_steps, ring_steps, self.device, self.dtype, impl=kernels)
+        self.chunk_audio_token = lm.initial_token_id if chunk_audio_token is None else chunk_audio_token
+        # Moshi's delayed token buffer per slot, as LMGen keeps it per batch row.
+        self.delays = torch.tensor(lm.delays, device=self.device, dtype=torch.long)  # [K]
+        self.max_delay = max(lm.delays)
+        self.tokens = torch.full((max_streams, lm.num_codebooks, self.max_delay + 2), lm.ungenerated_token_id,
+                                 device=self.device, dtype=torch.long)  # [S, K, CT]
+        self.initial = lm._get_initial_token()  # [1, K, 1]
+        self.free = list(range(max_streams))[::-1]
+        self.active: set[int] = set()
+
+    # ---------------------------------------------------------------- slots
+
+    def open(self) -> int:
+        """Claim a free slot, reset to an empty stream with empty MemChunks."""
+        if not self.free:
+            raise NoFreeSlotError(
+                f"no free stream slot: all {self.max_streams} are in use; close one or raise max_streams")
+        slot = self.free.pop()
+        self.cache.reset(slot)
+        self.tokens[slot] = self.lm.ungenerated_token_id
+        self.active.add(slot)
+        return slot
+
+    def close(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.active.discard(slot)
+        self.free.append(slot)
+
+    def steps(self, slot: int) -> int:
+        """Dialog steps this slot has taken."""
+        return self.cache.steps[slot]
+
+    def _check_slot(self, slot: int) -> None:
+        if slot not in self.active:
+            raise KeyError(f"slot {slot} is not open (open slots: {sorted(self.active)})")
+
+    # ---------------------------------------------------------------- layers
+
+    def _qkv(self, layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed projections of x [B, T, C] -> q [B, H, T, D], k and v [B, Hkv, T, D]."""
+        B, T, C = x.shape
+        projected = layer.self_attn.in_projs[0](layer.norm1(x))  # [B, T, C + 2 * Hkv * D]
+        Hkv = self.num_heads // self.kv_repeat
+        q = projected[..., :C].view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        kv = projected[..., C:].view(B, T, 2, Hkv, self.head_dim)  # [B, T, 2, Hkv, D]
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, Hkv, T, D] each
+        return q, k, v
+
+    def _finish_layer(self, layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection + residual, then the feed-forward block. attn: [B, T, C]."""
+        update = layer.self_attn.out_projs[0](attn)
+        x = x.to(update) + layer.layer_scale_1(update)
+        return layer._ff_block(x)
+
+    def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Summed text + audio embeddings of inputs [B, K, T] -> [B, T, C]."""
+        lm = self.lm
+        x = lm.emb[0](inputs[:, lm.audio_offset])
+        for cb in range(1, lm.num_audio_codebooks):  # summed in moshi's order: audio, then text
+            x = x + lm.emb[cb](inputs[:, cb + lm.audio_offset])
+        return x + lm.text_emb(inputs[:, 0])
+
+    # ---------------------------------------------------------------- memchunks
+
+    @torch.no_grad()
+    def write_memchunk(self, slot: int, level: Literal[1, 2], text_tokens: list[int] | torch.Tensor) -> None:
+        """Refresh a slot's L1 (profile) or L2 (retrieved facts) MemChunk from text tokens.
+
+        The chunk is always full length: the tokens, then text-pad; its audio rows are the empty token.
+        Writing L1 clears L2 (a new person makes the old retrieval stale). The dialog ring is kept.
+        """
+        self._check_slot(slot)
+        if level not in (1, 2):
+            raise ValueError(f"MemChunk level must be 1 (profile) or 2 (retrieved facts), got {level!r}")
+        cap = self.cache.n1 if level == 1 else self.cache.n2
+        tokens = torch.as_tensor(text_tokens, dtype=torch.long).flatten()
+        if tokens.numel() > cap:
+            raise ValueError(f"level-{level} MemChunk holds {cap} steps; got {tokens.numel()} tokens: "
+                             f"truncate or summarise the memory text first")
+        lm = self.lm
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= lm.text_card):
+            raise ValueError(f"MemChunk text tokens must be in [0, {lm.text_card}), got {tokens.min()}..{tokens.max()}")
+        if cap == 0:
+            return
+        inputs = torch.full((1, lm.num_codebooks, cap), self.chunk_audio_token, dtype=torch.long, device=self.device)
+        inputs[0, 0] = lm.text_padding_token_id
+        inputs[0, 0, :tokens.numel()] = tokens.to(self.device)
+        if level == 1:
+            self.cache.l2_len[slot] = 0  # L1 refresh: L2 is cleared and not attended
+            self.cache.l1_len[slot] = 0
+        prefix_len = self.cache.l1_len[slot] if level == 2 else 0
+        with torch.no_grad(), no_compile():
+            x = self._embed(inputs)  # [1, cap, C]
+            pos = torch.arange(prefix_len, prefix_len + cap, device=self.device)  # positions inside the chunk
+            ks, vs = [], []
+            for li, layer in enumerate(lm.transformer.layers):
+                q, k, v = self._qkv(layer, x)  # [1, H|Hkv, cap, D]
+                q = rope_rotate(q, pos, self.max_period, self.interleave)
+                k = rope_rotate(k, pos, self.max_period, self.interleave)
+                ks.append(k[0]), vs.append(v[0])  # stored at chunk-internal positions, see kv_cache.py
+                if prefix_len:  # L2 attends to L1 (already stored at positions 0..prefix_len - 1)
+                    pk, pv = self.cache.chunk_kv(slot, li, 1)  # [Hkv, prefix, D]
+                    k = torch.cat([pk[None].to(k), k], dim=2)  # [1, Hkv, prefix + cap, D]
+                    v = torch.cat([pv[None].to(v), v], dim=2)
+                mask = torch.ones(cap, prefix_len + cap, dtype=torch.bool, device=self.device).tril(prefix_len)
+                attn = self._sdpa(q, k, v, mask)  # [1, H, cap, D]
+                x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(1, cap, -1))
+            self.cache.write_chunk(slot, level, torch.stack(ks), torch.stack(vs))  # [L, Hkv, cap, D]
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Full attention q [B, H, T, D] over k/v [B, Hkv, T', D] with a bool mask [T, T']."""
+        if self.kv_repeat > 1:
+            k = k.repeat_interleave(self.kv_repeat, dim=1)
+            v = v.repeat_interleave(self.kv_repeat, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    # ---------------------------------------------------------------- tick
+
+    @torch.no_grad()
+    def step(self, slots: list[int], listen_codes: torch.Tensor, return_logits: bool = False) -> tuple[torch.Tensor, ...]:
+        """One tick for `slots` (other slots untouched). listen_codes: [B, 8] (or [B, 8, 1]) user audio codes.
+
+        Returns (text_tokens [B], speak_codes [B, dep_q]) aligned in time (Moshi's delays undone), so the
+        first `max_delay` ticks of a stream return `lm.ungenerated_token_id` (-2) there. With
+        `return_logits`, also the text logits [B, text_card] that produced this tick's text token.
+        """
+        lm = self.lm
+        slots = [int(s) for s in slots]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"each slot may step once per tick; got {slots}")
+        for s in slots:
+            self._check_slot(s)
+        n_listen = lm.num_codebooks - lm.dep_q - 1
+        listen = torch.as_tensor(listen_codes, device=self.device, dtype=torch.long)
+        if listen.dim() == 3:
+            listen = listen[..., 0]
+        if listen.shape != (len(slots), n_listen):
+            raise ValueError(f"listen_codes must be [{len(slots)}, {n_listen}], got {tuple(listen.shape)}")
+        if int(listen.min()) < 0 or int(listen.max()) >= lm.card:
+            raise ValueError(f"listen codes must be in [0, {lm.card})")
+        with no_compile():
+            return self._step(slots, listen, return_logits)
+
+    def _step(self, slots: list[int], listen: torch.Tensor, return_logits: bool):
+        lm = self.lm
+        rows = torch.tensor(slots, device=self.device, dtype=torch.long)  # [B]
+        B = len(slots)
+        CT = self.tokens.shape[2]
+        offsets = torch.tensor([self.cache.steps[s] for s in slots], device=self.device)  # [B]
+        tok = self.tokens[rows]  # [B, K, CT] (a copy; written back below)
+        # LMGen's delay handling: write user audio ahead by its delay, read this tick's inputs.
+        listen_delays = self.delays[lm.dep_q + 1:]  # [8]
+        write_pos = (offsets[:, None] + listen_delays[None]) % CT  # [B, 8]
+        tok[:, lm.dep_q + 1:].scatter_(2, write_pos[..., None], listen[..., None])
+        is_init = offsets[:, None] <= self.delays[None]  # [B, K]
+        read_pos = (offsets % CT)[:, None, None].expand(B, lm.num_codebooks, 1)  # [B, K, 1]
+        inputs = torch.where(is_init[..., None], self.initial, tok.gather(2, read_pos))  # [B, K, 1]
+        self.last_inputs = inputs  # the tokens this tick fed the model (teacher-forcing checks)
+
+        meta = self.cache.step_meta(slots)
+        x = self._embed(inputs)  # [B, 1, C]
+        for li, layer in enumerate(lm.transformer.layers):
+            q, k, v = self._qkv(layer, x)  # [B, H|Hkv, 1, D]
+            pos = meta["pos"][:, None, None]  # [B, 1, 1]
+            q = rope_rotate(q, pos, self.max_period, self.interleave)[:, :, 0]  # [B, H, D]
+            k = rope_rotate(k, pos, self.max_period, self.interleave)[:, :, 0]  # [B, Hkv, D]
+            attn = self.cache.append_and_attend(li, meta, q, k, v[:, :, 0], self.max_period, self.interleave)
+            x = self._finish_layer(layer, x, attn.reshape(B, 1, -1))  # attn [B, H, D] -> [B, 1, C]
+        out = lm.out_norm(x)  # [B, 1, C]
+        text_logits = lm.text_linear(out)[:, None]  # [B, 1, 1, text_card]
+        text = self._sample(text_logits, self.top_k_text)[:, 0, 0]  # [B]
+        audio = self._depformer(text, out)  # [B, dep_q]
+        self.cache.advance(slots)
+
+        offsets = offsets + 1
+        new_pos = (offsets % CT)[:, None, None]  # [B, 1, 1]
+        tok[:, :1].scatter_(2, new_pos, text[:, None, None])
+        tok[:, 1:lm.dep_q + 1].scatter_(2, new_pos.expand(B, lm.dep_q, 1), audio[:, :, None])
+        self.tokens[rows] = tok
+        gen_delays = self.delays[:lm.dep_q + 1]  # [1 + dep_q]
+        index = (offsets[:, None, None] - self.max_delay + gen_delays[None, :, None]) % CT  # [B, 1 + dep_q, 1]
+        aligned = tok[:, :lm.dep_q + 1].gather(2, index)[..., 0]  # [B, 1 + dep_q]
+        aligned[offsets <= self.max_delay] = lm.ungenerated_token_id
+        result = (aligned[:, 0], aligned[:, 1:])
+        if return_logits:
+            return result + (text_logits[:, 0, 0].float(),)
+        return result
+
+    def _sample(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
+        if self.temperature <= 0:
+            return torch.argmax(logits, dim=-1)
+        return sample_token(logits.float(), True, self.temperature, top_k)
+
+    def _depformer(self, text: torch.Tensor, transformer_out: torch.Tensor) -> torch.Tensor:
+        """The depth transformer over this tick's dep_q speak codebooks, on moshi's depformer weights.
+
+        Same maths as `LMModel.forward_depformer` under `depformer.streaming(B)` (what LMGen runs), with
+        the per-codebook K/V kept in plain lists instead of moshi's per-tick streaming states.
+        """
+        lm = self.lm
+        dep = lm.depformer
+        sched = lm.depformer_weights_per_step_schedule
+        B = text.shape[0]
+        prev = text
+        kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in dep.layers]
+        codes = []
+        for cb in range(lm.dep_q):
+            w = sched[cb] if sched is not None else cb  # weight index of this codebook
+            lin = lm.depformer_in[w if lm.depformer_multi_linear else 0]
+            emb = lm.depformer_text_emb if cb == 0 else lm.depformer_emb[cb - 1]
+            x = lin(transformer_out) + emb(prev[:, None])  # [B, 1, Cd]
+            if dep.positional_embedding in ("sin", "sin_rope"):
+                pos = torch.full((1, 1, 1), cb, device=x.device)
+                x = x + dep.positional_scale * create_sin_embedding(pos, x.shape[-1], dep.max_period, x.dtype)
+            for li, layer in enumerate(dep.layers):
+                x = self._depformer_layer(layer, x, cb, w, kv[li])
+            logits = lm.linears[cb](lm.depformer_norms[cb](x))  # [B, 1, card]
+            prev = self._sample(logits, self.top_k_audio)[:, 0]  # [B]
+            codes.append(prev)
+        return torch.stack(codes, dim=1)  # [B, dep_q]
+
+    def _depformer_layer(self, layer, x: torch.Tensor, cb: int, w: int,
+                         kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One depformer layer for codebook `cb` (weights `w`), attending to the codebooks before it."""
+        attn = layer.self_attn
+        B, _, C = x.shape
+        H = attn.num_heads
+        Hkv, D = H // attn.kv_repeat, C // H
+        proj = attn.in_projs[w if len(attn.in_projs) > 1 else 0](layer.norm1(x))  # [B, 1, C + 2 * Hkv * D]
+        q = proj[..., :C].view(B, 1, H, D).transpose(1, 2)  # [B, H, 1, D]
+        k, v = proj[..., C:].view(B, 1, 2, Hkv, D).permute(2, 0, 3, 1, 4).unbind(0)  # [B, Hkv, 1, D]
+        if attn.rope is not None:
+            pos = torch.full((1,), cb, device=x.device)
+            q = rope_rotate(q, pos, attn.rope.max_period, attn.rope.interleave)
+            k = rope_rotate(k, pos, attn.rope.max_period, attn.rope.interleave)
+        kv.append((k, v))
+        keys = torch.cat([kk for kk, _ in kv], dim=2)  # [B, Hkv, cb + 1, D]
+        vals = torch.cat([vv for _, vv in kv], dim=2)
+        if attn.context is not None and keys.shape[2] > attn.context:
+            keys, vals = keys[:, :, -attn.context:], vals[:, :, -attn.context:]
+        if attn.kv_repeat > 1:
+            keys = keys.repeat_interleave(attn.kv_repeat, dim=1)
+            vals = vals.repeat_interleave(attn.kv_repeat, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, vals)  # [B, H, 1, D]
+        update = attn.out_projs[w if len(attn.out_projs) > 1 else 0](out.transpose(1, 2).reshape(B, 1, C))
+        x = x.to(update) + layer.layer_scale_1(update)
+        h = layer.norm2(x)
+        if layer.gating is None:
+            update = layer.linear2(layer.activation(layer.linear1(h)))
+        elif isinstance(layer.gating, torch.nn.ModuleList):
+            update = layer.gating[w](h)
+        else:
+            update = layer.gating(h)
+        return x.to(update) + layer.layer_scale_2(update)

@@ -1,0 +1,162 @@
+"""Serving the dialog engine: streams (Triton correlation ids) mapped to engine slots, one batch per tick.
+
+`serve_dialog_batch` is what `model_repository/dialog_lm` calls for each `execute()`: per-request
+validation (a bad request gets its own error, the others are served), START/END, an optional
+MemChunk refresh applied before that stream's step, then ONE batched engine step over the valid
+requests. Idle streams are closed by the pool's own TTL because Triton frees idle sequences silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from egomem.config import DialogConfig
+
+from .checkpoint import DTYPES, build_lm
+from .engine import DialogEngine, NoFreeSlotError
+from .tokenizer import TextTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class StreamError(ValueError):
+    """A request the pool cannot serve (unknown stream, full pool, bad data); only that request fails."""
+
+
+@dataclass
+class DialogRequest:
+    """One tick of one stream, as carried by a Triton request."""
+
+    stream: int
+    start: bool = False  # open the stream (fresh slot) before this tick
+    end: bool = False  # close it after this tick
+    listen: np.ndarray | None = None  # int64 [8] user audio codes of this tick
+    memchunk_level: int | None = None  # 1 (profile) or 2 (retrieved facts): refresh before the step
+    memchunk_tokens: np.ndarray | None = None  # int64 [n] text token ids for the refresh ...
+    memchunk_text: str | None = None  # ... or the text, tokenized with the model's tokenizer
+
+
+@dataclass
+class DialogResult:
+    text_token: int  # -2 while Moshi's delays warm up
+    speak_codes: np.ndarray  # int64 [dep_q], -2 while warming up
+    text_piece: str  # the decoded text token ("" for pad / special tokens)
+    step: int  # ticks this stream has taken
+
+
+def build_engine(cfg: DialogConfig, device: str | None = None) -> tuple[DialogEngine, TextTokenizer]:
+    """The engine (and its text tokenizer) that `cfg` describes; weights from cfg.weights or seeded random."""
+    if device is None or device == "auto":
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
+    if cfg.threads > 0 and device == "cpu":
+        torch.set_num_threads(cfg.threads)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    lm = build_lm(cfg.preset, cfg.weights, device=device, dtype=dtype, seed=cfg.seed)
+    if tokenizer.vocab_size > lm.text_card + 1:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the {cfg.preset!r} model's text vocabulary "
+                         f"is {lm.text_card}: set dialog.tokenizer and dialog.preset to a matching pair")
+    engine = DialogEngine(lm, cfg.max_streams, l1_steps=cfg.l1_steps, l2_steps=cfg.l2_steps,
+                          ring_steps=cfg.ring_steps or None, temperature=cfg.temperature, kernels=cfg.kernels,
+                          top_k_text=cfg.top_k_text, top_k_audio=cfg.top_k_audio)
+    return engine, tokenizer
+
+
+class DialogStreamPool:
+    """Stream ids -> engine slots, with a TTL for streams Triton forgot. Thread-safe."""
+
+    def __init__(self, engine: DialogEngine, tokenizer: TextTokenizer, ttl_s: float = 600.0):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.ttl_s = ttl_s
+        self._slots: dict[int, int] = {}
+        self._last_used: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def is_open(self, stream: int) -> bool:
+        return stream in self._slots
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._slots)
+
+    def open(self, stream: int) -> int:
+        """Open (or restart from scratch) a stream; returns its slot."""
+        self._reclaim_idle()
+        if stream in self._slots:
+            self.engine.close(self._slots.pop(stream))
+        try:
+            slot = self.engine.open()
+        except NoFreeSlotError as e:
+            raise StreamError(f"{e} (dialog.max_streams = {self.engine.max_streams})") from e
+        self._slots[stream] = slot
+        self._last_used[stream] = time.monotonic()
+        return slot
+
+    def close(self, stream: int) -> None:
+        slot = self._slots.pop(stream, None)
+        self._last_used.pop(stream, None)
+        if slot is not None:
+            self.engine.close(slot)
+
+    def _reclaim_idle(self) -> None:
+        now = time.monotonic()
+        for stream, last in list(self._last_used.items()):
+            if now - last > self.ttl_s:
+                log.info("dialog: closing stream %d idle for %.0f s", stream, now - last)
+                self.close(stream)
+
+    def _memchunk_tokens(self, r: DialogRequest) -> list[int] | None:
+        if r.memchunk_level is None:
+            if r.memchunk_tokens is not None or r.memchunk_text is not None:
+                raise StreamError("MEMCHUNK_TOKENS / MEMCHUNK_TEXT need MEMCHUNK_LEVEL (1 or 2)")
+            return None
+        if (r.memchunk_tokens is None) == (r.memchunk_text is None):
+            raise StreamError("a MemChunk refresh carries exactly one of MEMCHUNK_TOKENS or MEMCHUNK_TEXT")
+        if r.memchunk_text is not None:
+            return self.tokenizer.encode(r.memchunk_text)
+        return [int(t) for t in np.asarray(r.memchunk_tokens).reshape(-1)]
+
+    def serve(self, requests: list[DialogRequest]) -> list[DialogResult | StreamError]:
+        """One Triton batch = one engine tick over every valid request."""
+        with self._lock:
+            results: list[DialogResult | StreamError | None] = [None] * len(requests)
+            n_listen = self.engine.lm.num_codebooks - self.engine.lm.dep_q - 1
+            card = self.engine.lm.card
+            for i, r in enumerate(requests):
+                try:
+                    if r.start:
+                        self.open(r.stream)
+                    elif not self.is_open(r.stream):
+                        raise StreamError(f"unknown stream {r.stream}: open it with a sequence START (or it idled out)")
+                    self._last_used[r.stream] = time.monotonic()
+                    if r.listen is None or np.asarray(r.listen).shape != (n_listen,):
+                        shape = None if r.listen is None else list(np.asarray(r.listen).shape)
+                        raise StreamError(f"LISTEN_CODES must hold {n_listen} codes, got shape {shape}")
+                    if not ((r.listen >= 0) & (r.listen < card)).all():
+                        raise StreamError(f"LISTEN_CODES must be in [0, {card})")
+                    tokens = self._memchunk_tokens(r)
+                    if tokens is not None:
+                        self.engine.write_memchunk(self._slots[r.stream], r.memchunk_level, tokens)
+                except (StreamError, ValueError, KeyError) as e:
+                    results[i] = e if isinstance(e, StreamError) else StreamError(str(e))
+            ok = [i for i, res in enumerate(results) if res is None]
+            if ok:
+                slots = [self._slots[requests[i].stream] for i in ok]
+                listen = torch.from_numpy(np.stack([np.asarray(requests[i].listen, dtype=np.int64) for i in ok]))
+                text, speak = self.engine.step(slots, listen)
+                text, speak = text.cpu().numpy(), speak.cpu().numpy()
+                for j, i in enumerate(ok):
+                    tok = int(text[j])
+                    piece = self.tokenizer.decode([tok]) if tok >= 0 else ""
+                    results[i] = DialogResult(tok, speak[j], piece, self.engine.steps(slots[j]))
+            for r in requests:
+                if r.end:
+                    self.close(r.stream)
+            return results  # type: ignore[return-value]

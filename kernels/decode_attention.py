@@ -1,0 +1,231 @@
+"""Batched single-query decode attention over a `[L1 | L2 | ring]` KV cache with rotate-on-read chunks.
+
+One query per row (a stream slot at its current dialog step) attends, in one pass with an online
+softmax, to three regions of that slot's cache:
+  - L1 MemChunk (capacity N1, valid prefix `l1_len[b]`) and L2 MemChunk (N2, `l2_len[b]`): keys are
+    stored rotated only to their position INSIDE the chunk (L1 step j at j, L2 step j at l1_len + j),
+    so they do not depend on the dialog. At read time the whole chunk is rotated on to its virtual
+    positions `chunk_pos0[b] + (position inside the chunk)`, i.e. just before the oldest ring entry,
+    so query-to-chunk distances stay in the trained range however long the stream lives (DESIGN.md §4).
+    RoPE rotations compose and are orthogonal, so rotating every chunk key by +chunk_pos0 equals
+    rotating the query by -chunk_pos0 once: q.R(p0)k = (R(-p0)q).k -- one rotation per row, not per key;
+  - the dialog ring (capacity W, valid prefix `ring_len[b]`): keys already rotated at their real
+    positions when written (order inside the ring does not matter to softmax attention).
+Grouped KV heads (GQA): the H query heads share Hkv = H / G key/value heads.
+
+File layout: `@triton.jit` helpers, the kernel, the PyTorch reference, then the host wrapper.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._impl import Impl, resolve_impl
+from .rope import rope_freqs, rope_rotate
+
+
+@triton.jit
+def _attend_region(
+    q,  # [G, D] query (pre-scaled by sm_scale) in this region's rotation frame
+    m_i, l_i, acc,  # [G], [G], [G, D] online-softmax state
+    k_base, v_base,  # pointers to this (slot, kv head)'s [T, D] keys / values
+    region_start,  # first cache time index of the region
+    n_valid,  # valid entries (prefix) in the region
+    offs_d,  # [D]
+    stride_kt: tl.int64, stride_vt: tl.int64,
+    INPUT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    for t0 in range(0, n_valid, BLOCK_T):  # an empty region: no iteration at all
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        valid = offs_t < n_valid
+        t_idx = region_start + offs_t
+        k = tl.load(k_base + t_idx[:, None] * stride_kt + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=INPUT_PRECISION)  # [G, BLOCK_T]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block holds >= 1 valid key
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])  # [G, BLOCK_T]
+        v = tl.load(v_base + t_idx[:, None] * stride_vt + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,  # [B, H, D] queries, rotated at their own positions
+    k_ptr,  # [S, Hkv, T, D] key cache of one layer, T = N1 + N2 + W
+    v_ptr,  # [S, Hkv, T, D] value cache of one layer
+    out_ptr,  # [B, H, D] attention output
+    slot_ptr,  # [B] int64: cache slot of each row
+    l1_len_ptr,  # [B] int32/int64: valid L1 steps
+    l2_len_ptr,  # [B] int32/int64: valid L2 steps
+    ring_len_ptr,  # [B] int32/int64: valid ring steps
+    chunk_pos0_ptr,  # [B] int64: virtual position of the first chunk step
+    freqs_ptr,  # [D/2] fp32 RoPE frequencies (host-computed exactly as moshi does)
+    stride_qb: tl.int64, stride_qh: tl.int64,
+    stride_ks: tl.int64, stride_kh: tl.int64, stride_kt: tl.int64,
+    stride_vs: tl.int64, stride_vh: tl.int64, stride_vt: tl.int64,
+    stride_ob: tl.int64, stride_oh: tl.int64,
+    sm_scale,  # float: softmax scale
+    N1: tl.constexpr, N2: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot minimum)
+    HEAD_DIM: tl.constexpr,
+    INTERLEAVE: tl.constexpr,  # RoPE pairs (2i, 2i+1) if True, else (i, i + D/2)
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM)
+    if INTERLEAVE:
+        freq_idx = offs_d // 2
+        partner = offs_d ^ 1
+        first = (offs_d % 2) == 0  # real part of its pair
+    else:
+        freq_idx = offs_d % HALF
+        partner = (offs_d + HALF) % HEAD_DIM
+        first = offs_d < HALF
+    offs_g = tl.arange(0, GROUP_PAD)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads sharing this kv head
+
+    q_rows = q_ptr + row * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * sm_scale
+    q_partner = tl.load(q_rows + partner[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * sm_scale
+    # rotate-on-read: the chunk is seen at chunk_pos0 + (position inside it), so its keys are read
+    # rotated by +chunk_pos0; equivalently the query is rotated once by -chunk_pos0:
+    # real' = real*cos + imag*sin, imag' = imag*cos - real*sin
+    pos0 = tl.load(chunk_pos0_ptr + row).to(tl.float32)
+    phase = pos0 * tl.load(freqs_ptr + freq_idx)  # [D]
+    sign = tl.where(first, 1.0, -1.0)
+    q_chunk = q * tl.cos(phase)[None, :] + (sign * tl.sin(phase))[None, :] * q_partner  # [G, D]
+
+    slot = tl.load(slot_ptr + row)
+    l1_len = tl.load(l1_len_ptr + row)
+    l2_len = tl.load(l2_len_ptr + row)
+    ring_len = tl.load(ring_len_ptr + row)
+    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+    v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([GROUP_PAD, HEAD_DIM], 0.0, tl.float32)
+    m_i, l_i, acc = _attend_region(q_chunk, m_i, l_i, acc, k_base, v_base, 0, l1_len, offs_d,
+                                   stride_kt, stride_vt, INPUT_PRECISION, BLOCK_T)
+    m_i, l_i, acc = _attend_region(q_chunk, m_i, l_i, acc, k_base, v_base, N1, l2_len, offs_d,
+                                   stride_kt, stride_vt, INPUT_PRECISION, BLOCK_T)
+    m_i, l_i, acc = _attend_region(q, m_i, l_i, acc, k_base, v_base, N1 + N2, ring_len, offs_d,
+                                   stride_kt, stride_vt, INPUT_PRECISION, BLOCK_T)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_rows = out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Split rows into runs of consecutive slots: [(first row, row count)], so caches are read as views."""
+    runs: list[tuple[int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and slots[i - 1] + 1 == s:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def decode_attention_torch(q, k_cache, v_cache, slots, l1_len, l2_len, ring_len, chunk_pos0, *,
+                           n1: int, n2: int, max_period: float, interleave: bool, sm_scale: float) -> torch.Tensor:
+    """Reference: the query rotated by -chunk_pos0 for the chunk, masked softmax over chunk + ring scores."""
+    B, H, D = q.shape
+    slot_list = slots.tolist()
+    outs = []
+    for r0, n in _runs(slot_list):  # views of consecutive slots: no copy of the (large) caches
+        s0 = slot_list[r0]
+        rows = slice(r0, r0 + n)
+        outs.append(_attend_rows(q[rows], k_cache[s0:s0 + n], v_cache[s0:s0 + n], l1_len[rows], l2_len[rows],
+                                 ring_len[rows], chunk_pos0[rows], n1, n2, max_period, interleave, sm_scale))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _attend_rows(q, k, v, l1_len, l2_len, ring_len, chunk_pos0, n1, n2, max_period, interleave, sm_scale):
+    """decode_attention_torch for rows whose caches are k, v [B, Hkv, T, D]."""
+    B, H, D = q.shape
+    _, Hkv, T, _ = k.shape
+    G, n_chunk = H // Hkv, n1 + n2
+    qg = q.view(B, Hkv, G, D).float() * sm_scale  # [B, Hkv, G, D]: query heads grouped by kv head
+    q_chunk = rope_rotate(qg, -chunk_pos0.view(B, 1, 1), max_period, interleave)  # rotate-on-read
+    # both query frames against every key in one pass over K (the pass is memory-bound), then pick
+    scores = torch.cat([q_chunk, qg], dim=2).to(k.dtype) @ k.transpose(-1, -2)  # [B, Hkv, 2G, T]
+    t = torch.arange(T, device=q.device)
+    scores = torch.where(t < n_chunk, scores[:, :, :G], scores[:, :, G:]).float()  # [B, Hkv, G, T]
+    valid = torch.where(
+        t < n1, t < l1_len[:, None],
+        torch.where(t < n_chunk, (t - n1) < l2_len[:, None], (t - n_chunk) < ring_len[:, None]),
+    )  # [B, T]
+    p = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1).to(v.dtype)
+    out = p @ v  # [B, Hkv, G, D]
+    return out.reshape(B, H, D).to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D] rotated queries
+    k_cache: torch.Tensor,  # [S, Hkv, N1 + N2 + W, D]
+    v_cache: torch.Tensor,  # [S, Hkv, N1 + N2 + W, D]
+    slots: torch.Tensor,  # [B] int64
+    l1_len: torch.Tensor,  # [B] int32 or int64
+    l2_len: torch.Tensor,  # [B] int32 or int64
+    ring_len: torch.Tensor,  # [B] int32 or int64
+    chunk_pos0: torch.Tensor,  # [B] int64
+    *,
+    n1: int,
+    n2: int,
+    max_period: float = 10_000.0,
+    interleave: bool = True,
+    sm_scale: float | None = None,
+    impl: Impl = "auto",
+    input_precision: str | None = None,
+) -> torch.Tensor:
+    """Attention output [B, H, D] of one query per row over its slot's `[L1 | L2 | ring]` cache.
+
+    input_precision (Triton path): None = "ieee" for fp32 caches (exact, as the tests compare), else the
+    target's default (it only concerns fp32 operands; fp16/bf16 dots accumulate in fp32 regardless).
+    """
+    B, H, D = q.shape
+    S, Hkv, T, Dk = k_cache.shape
+    assert v_cache.shape == k_cache.shape and Dk == D, (q.shape, k_cache.shape, v_cache.shape)
+    assert H % Hkv == 0, f"{H} query heads cannot share {Hkv} kv heads"
+    assert 0 <= n1 and 0 <= n2 and n1 + n2 < T, (n1, n2, T)
+    for name, t in (("slots", slots), ("l1_len", l1_len), ("l2_len", l2_len),
+                    ("ring_len", ring_len), ("chunk_pos0", chunk_pos0)):
+        assert t.shape == (B,) and not t.is_floating_point(), \
+            f"{name} must be integer [B={B}], got {t.dtype} {tuple(t.shape)}"
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    if resolve_impl(impl, q.device) == "torch":
+        return decode_attention_torch(q, k_cache, v_cache, slots, l1_len, l2_len, ring_len, chunk_pos0,
+                                      n1=n1, n2=n2, max_period=max_period, interleave=interleave,
+                                      sm_scale=sm_scale)
+    assert D >= 32 and D & (D - 1) == 0, f"head dim {D} must be a power of two >= 32 for the Triton kernel"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "last dim must be contiguous"
+    out = torch.empty_like(q)
+    G = H // Hkv
+    _decode_attention_kernel[(B, Hkv)](
+        q, k_cache, v_cache, out,
+        slots.to(torch.int64).contiguous(), l1_len.contiguous(), l2_len.contiguous(), ring_len.contiguous(),
+        chunk_pos0.to(torch.int64).contiguous(), rope_freqs(D, max_period, q.device),
+        stride_qb=q.stride(0), stride_qh=q.stride(1),
+        stride_ks=k_cache.stride(0), stride_kh=k_cache.stride(1), stride_kt=k_cache.stride(2),
+        stride_vs=v_cache.stride(0), stride_vh=v_cache.stride(1), stride_vt=v_cache.stride(2),
+        stride_ob=out.stride(0), stride_oh=out.stride(1),
+        sm_scale=sm_scale,
+        N1=n1, N2=n2, GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=D,
+        INTERLEAVE=interleave, BLOCK_T=32,
+        INPUT_PRECISION=input_precision or ("ieee" if k_cache.dtype == torch.float32 else "tf32"),
+    )
+    return out
