@@ -194,6 +194,7 @@ class OrchestratorConfig:
     max_input_buffer_s: float = 2.0  # client audio buffered ahead of real time beyond this is dropped
     send_queue_messages: int = 64  # per-stream outbound queue (~5 s of audio); full = oldest audio dropped
     max_tick_lag_s: float = 0.4  # a tick loop this far behind its clock re-syncs (the missed ticks count as misses)
+    late_grace_s: float = 0.04  # a tick waits this long past its due time for the client's frame, then feeds silence
     triton_timeout_s: float = 5.0  # one model call; longer means Triton is gone and the stream fails cleanly
     poll_interval_s: float = 2.0  # identification polling loop (the paper's 2 s)
     identify_window_s: float = 3.0  # tau: seconds of recent audio handed to the speaker encoder
