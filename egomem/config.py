@@ -187,6 +187,7 @@ class OrchestratorConfig:
     port: int = 8998  # Moshi's server port, so Moshi's clients connect with their defaults
     tokens_file: Path | None = None  # JSON {"<token>": "stream"|"admin"}; None = <server.run_dir>/tokens.json
     tokens_env: str = "EGOMEM_TOKENS"  # also read "<token>:<scope>,..." from this variable (never from a file in git)
+    anonymous_chat: bool = False  # Moshi's own clients send no token: allow /api/chat without one (never admin)
     max_streams: int = 8  # open /api/chat streams; keep <= dialog.max_streams and mimi.max_streams
     max_message_bytes: int = 2_000_000  # one WebSocket message (a JPEG frame is the largest kind)
     max_messages_per_s: float = 200.0  # per stream, averaged over 1 s (Opus pages ~50/s + video + text)

@@ -1,0 +1,119 @@
+"""Turn per-step trigger labels into dialog sessions (start step, end step inclusive).
+
+A clean session is `1 2 2 ... 2 3` (or `1 3`, or a lone `1`... see below) surrounded by 0s. A tagger
+makes mistakes, so decoding is a small state machine with these rules for broken sequences:
+
+  R1 start (1) opens a session. A start while a session is open closes the open one at its last
+     non-0 step and opens a new one here (adjacent starts = a user switch without an end label).
+  R2 end (3) closes the open session at this step. An end with no open session (after 0s or right
+     after another end; 2s before it would have opened one by R3) is a one-step session, which
+     R6 drops unless `min_len` <= 1.
+  R3 in-session (2) with no open session opens one there (the start label was missed).
+  R4 no-dialog (0) while a session is open: a run of 0s shorter than `max_gap` steps is absorbed
+     (a flicker inside a session); a run of `max_gap` or more closes the session at the last
+     non-0 step before the run.
+  R5 the chunk ends while a session is open: it closes at the last non-0 step (a session cut by
+     the chunk boundary; the caller may stitch it to the next chunk).
+  R6 sessions shorter than `min_len` steps are dropped (isolated label noise).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from egomem.trigger.model import END, IN_SESSION, NO_DIALOG, START
+
+
+def decode_sessions(labels: np.ndarray, max_gap: int = 13, min_len: int = 3) -> list[tuple[int, int]]:
+    """labels [T] in {0,1,2,3} -> [(start, end)] sorted, non-overlapping, end inclusive.
+
+    `max_gap`: 0-runs shorter than this (default 13 steps, about 1 s) do not split a session.
+    `min_len`: shorter sessions (default 3 steps, 0.24 s) are dropped.
+    """
+    labels = np.asarray(labels).reshape(-1)
+    if labels.size and (labels.min() < 0 or labels.max() > 3):
+        raise ValueError("trigger labels must be in {0, 1, 2, 3}")
+    sessions: list[tuple[int, int]] = []
+    open_at: int | None = None  # start of the open session
+    last_active = -1  # last non-0 step of the open session
+    zeros = 0  # length of the current 0-run inside an open session
+
+    def close(end: int) -> None:
+        nonlocal open_at
+        if open_at is not None and end >= open_at:
+            sessions.append((open_at, end))
+        open_at = None
+
+    for t, lab in enumerate(labels.tolist()):
+        if lab == NO_DIALOG:
+            if open_at is not None:
+                zeros += 1
+                if zeros >= max_gap:  # R4
+                    close(last_active)
+            continue
+        zeros = 0
+        if lab == START:  # R1
+            close(last_active)
+            open_at = t
+        elif lab == IN_SESSION:
+            if open_at is None:  # R3
+                open_at = t
+        elif lab == END:
+            if open_at is None:  # R2
+                open_at = t
+            last_active = t
+            close(t)
+            continue
+        last_active = t
+    if open_at is not None:  # R5
+        close(last_active)
+    return [(a, b) for a, b in sessions if b - a + 1 >= min_len]  # R6
+
+
+def sessions_to_labels(sessions: list[tuple[int, int]], T: int) -> np.ndarray:
+    """Inverse of decoding for clean spans: [(start, end)] -> labels [T]."""
+    out = np.full(T, NO_DIALOG, np.int64)
+    for a, b in sessions:
+        out[a:b + 1] = IN_SESSION
+        out[a] = START
+        out[b] = END
+    return out
+
+
+# Allowed label transitions of a well-formed sequence: 0* (1 2* 3 0*)*, a session may follow an
+# end directly (3 -> 1, a user switch). A session is at least 2 steps (1 then 3).
+_ALLOWED = np.array([
+    # to: 0     1      2      3
+    [True, True, False, False],   # from 0 (no dialog)
+    [False, False, True, True],   # from 1 (start)
+    [False, False, True, True],   # from 2 (in session)
+    [True, True, False, False],   # from 3 (end)
+])
+_FIRST = np.array([True, True, False, False])  # a chunk starts outside a session or at its start
+_LAST = np.array([True, False, False, True])  # ... and ends outside one or at its end
+
+
+def viterbi_labels(log_probs: np.ndarray) -> np.ndarray:
+    """The most probable WELL-FORMED label sequence under per-step log-probabilities [T, 4].
+
+    Per-step argmax lets one stray 1 or 3 split a session in two; this decoding only considers
+    sequences that decode cleanly (see `_ALLOWED`), so a split must be paid for by both an end and
+    a start label. The result is exactly what `decode_sessions` expects.
+    """
+    lp = np.asarray(log_probs, dtype=np.float64)
+    T = lp.shape[0]
+    if T == 0:
+        return np.zeros(0, np.int64)
+    trans = np.where(_ALLOWED, 0.0, -np.inf)  # [from, to]
+    score = np.where(_FIRST, lp[0], -np.inf)
+    back = np.zeros((T, 4), np.int8)
+    for t in range(1, T):
+        cand = score[:, None] + trans  # from,to
+        back[t] = cand.argmax(0)
+        score = cand.max(0) + lp[t]
+    score = np.where(_LAST, score, -np.inf)
+    out = np.empty(T, np.int64)
+    out[-1] = int(score.argmax())
+    for t in range(T - 1, 0, -1):
+        out[t - 1] = back[t, out[t]]
+    return out

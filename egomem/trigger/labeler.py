@@ -1,0 +1,98 @@
+"""`TriggerLabeler`: tokens [T, 17] -> labels [T] with a trained trigger, any length T.
+
+Chunks up to `max_chunk_steps` (8,192, the paper's chunk) are labelled in one full-attention pass.
+Longer inputs are labelled in windows of `max_chunk_steps` that overlap by `2 * window_overlap_steps`;
+each window contributes only its centre, so every kept label saw at least `window_overlap_steps`
+of context on both sides (except at the stream's own ends).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from egomem.config import TriggerConfig
+from egomem.trigger.decode import decode_sessions, viterbi_labels
+from egomem.trigger.model import AUDIO_CARD, NUM_TOKENS, load_trigger
+
+log = logging.getLogger(__name__)
+
+SHIPPED_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "trigger_tiny.safetensors"
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def windows(T: int, size: int, overlap: int) -> list[tuple[int, int, int, int]]:
+    """Cover [0, T) with windows: (win_start, win_end, keep_start, keep_end), keeps tile [0, T)."""
+    if T <= size:
+        return [(0, T, 0, T)]
+    if size <= 2 * overlap:
+        raise ValueError(f"window size {size} must exceed twice the overlap {overlap}")
+    out, keep = [], 0
+    while keep < T:
+        ws = max(0, min(keep - overlap, T - size))
+        we = ws + size
+        ke = T if we >= T else we - overlap
+        out.append((ws, we, keep, ke))
+        keep = ke
+    return out
+
+
+class TriggerLabeler:
+    """The episodic trigger as the memory manager calls it: `label(tokens) -> labels`."""
+
+    def __init__(self, cfg: TriggerConfig | None = None):
+        self.cfg = cfg or TriggerConfig()
+        path = Path(self.cfg.checkpoint) if self.cfg.checkpoint is not None else SHIPPED_CHECKPOINT
+        self.device = _device(self.cfg.device)
+        self.model, self.meta = load_trigger(path, self.device)
+        self.checkpoint = path
+        self._lock = threading.Lock()  # Triton may call from several threads; one forward at a time
+        log.info("trigger: loaded %s (codec fingerprint %s)", path, self.meta.get("codec_fingerprint", "?"))
+
+    @staticmethod
+    def validate(tokens: np.ndarray) -> np.ndarray:
+        """Check shape [T, 17], integer dtype and token ranges; return int64."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[1] != NUM_TOKENS:
+            raise ValueError(f"trigger tokens must be [T, {NUM_TOKENS}] (text, 8 speak, 8 listen), got {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"trigger tokens must be integers, got {tokens.dtype}")
+        if tokens.size and (tokens.min() < -1 or tokens[:, 1:].max() > AUDIO_CARD):
+            raise ValueError(f"trigger tokens out of range: audio codes must be in [-1, {AUDIO_CARD}], text >= -1")
+        return tokens.astype(np.int64)
+
+    @torch.no_grad()
+    def log_probs(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens [T, 17] -> per-step label log-probabilities [T, 4] (windowed beyond max_chunk_steps)."""
+        tokens = self.validate(tokens)
+        T = tokens.shape[0]
+        out = np.zeros((T, 4), np.float32)
+        x = torch.from_numpy(tokens).to(self.device)
+        with self._lock:
+            for ws, we, ks, ke in windows(T, self.cfg.max_chunk_steps, self.cfg.window_overlap_steps):
+                logits = self.model(x[None, ws:we])[0]  # W,4
+                out[ks:ke] = torch.log_softmax(logits[ks - ws:ke - ws].float(), -1).cpu().numpy()
+        return out
+
+    def label(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens [T, 17] -> labels [T] int64 in {0 no dialog, 1 start, 2 in session, 3 end}.
+
+        The most probable well-formed sequence (`viterbi_labels`), not the per-step argmax: one
+        stray start/end label would otherwise split a session."""
+        if np.asarray(tokens).shape[:1] == (0,):
+            self.validate(tokens)
+            return np.zeros(0, np.int64)
+        return viterbi_labels(self.log_probs(tokens))
+
+    def sessions(self, tokens: np.ndarray) -> list[tuple[int, int]]:
+        """Dialog sessions (start step, end step inclusive) in a token chunk."""
+        return decode_sessions(self.label(tokens))

@@ -1,0 +1,324 @@
+"""Synthetic training streams for the episodic trigger (EgoMem paper §4.1), built from cached codes.
+
+A stream is what the dialog model records: per 80 ms step, 1 text token (its inner monologue),
+8 speak codes (its own voice) and 8 listen codes (the microphone). Dialog sessions with users are
+concatenated with stretches of no dialog; inside a session the user (listen) and the assistant
+(speak + text) take turns with short pauses, sometimes interrupting each other; a session mostly
+opens with the user speaking (80 %; else the assistant greets); sometimes a new user takes over
+right after the previous one left (user switch: short gap, only the voice tells it apart).
+Turns start and end on speech (per-step activity of each utterance), so gold boundaries are audible.
+Gold labels per step: 0 no dialog, 1 session start, 2 in session, 3 session end.
+
+Audio: LibriSpeech utterances (users: `cohort/`, one speaker each; assistant voices: `test-other/`).
+Every source is encoded by the project's Mimi ONCE (`build_cache`) and a stream is cut from the
+cached code sequences (encoding each synthetic stream's audio would cost ~100x more on 2 cores):
+  - noise: mixed in the AUDIO domain per cached utterance (white/pink/brown, SNR 0-20 dB) and
+    encoded as a second variant; noise-only clips fill silences of noised streams;
+  - echo (speak -> listen, p = 0.3 per assistant turn, gain 0-0.2, delay 0.1-0.5 s): each assistant
+    utterance is also encoded at a random gain 0.02-0.2 (clean and noisy); the echo is placed at
+    TOKEN level, delayed by round(delay / 80 ms) steps, where the user is silent (over user speech
+    the user's codes win: at <= 0.2 gain the echo is a small perturbation we do not model);
+  - code sequences are concatenated at step boundaries; Mimi's few-frame encoder context across a
+    seam is not reproduced (accepted: seams sit at pauses, where the signal is near silence).
+Splits: users = cohort speakers sorted by id, first 200 train / rest held out; assistant = each
+test-other speaker's utterances sorted, first 7 train / last 3 held out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from egomem.trigger.model import END, IN_SESSION, NO_DIALOG, START
+
+
+STEP_S = 0.08
+TEXT_PAD = 3  # moshi's existing_text_padding_id
+CACHE_VERSION = 3  # 2: per-utterance frame activity ("vad"); 3: 48/12 noise clips
+N_TRAIN_USERS = 200
+N_TRAIN_ASSISTANT_UTTS = 7
+
+
+def _steps(seconds: float) -> int:
+    return max(1, int(round(seconds / STEP_S)))
+
+
+# ----------------------------------------------------------------------------------------------
+# the code cache
+
+
+@dataclass
+class CodeCache:
+    """Mimi codes [T, 8] int16 of every source, one split. Noised variants align step-for-step."""
+
+    users: list[dict[str, np.ndarray]] = field(default_factory=list)  # per speaker: clean, noisy, vad
+    assistant: list[dict[str, np.ndarray]] = field(default_factory=list)  # + echo, echo_noisy
+    silence: np.ndarray | None = None  # codes of digital near-silence (steady state)
+    noise: list[np.ndarray] = field(default_factory=list)  # noise-only clips
+    fingerprint: str = ""
+
+    def save(self, path: Path) -> None:
+        arrays = {"meta": np.array([CACHE_VERSION]), "fingerprint": np.array(self.fingerprint)}
+        for i, u in enumerate(self.users):
+            for k, v in u.items():
+                arrays[f"user/{i}/{k}"] = v
+        for i, a in enumerate(self.assistant):
+            for k, v in a.items():
+                arrays[f"assistant/{i}/{k}"] = v
+        arrays["silence"] = self.silence
+        for i, n in enumerate(self.noise):
+            arrays[f"noise/{i}"] = n
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, **arrays)
+
+    @classmethod
+    def load(cls, path: Path) -> "CodeCache":
+        z = np.load(path)
+        if int(z["meta"][0]) != CACHE_VERSION:
+            raise ValueError(f"{path}: code cache version {int(z['meta'][0])}, expected {CACHE_VERSION}; rebuild it")
+        c = cls(fingerprint=str(z["fingerprint"]), silence=z["silence"])
+        users: dict[int, dict] = {}
+        assistant: dict[int, dict] = {}
+        noise: dict[int, np.ndarray] = {}
+        for key in z.files:
+            parts = key.split("/")
+            if parts[0] == "user":
+                users.setdefault(int(parts[1]), {})[parts[2]] = z[key]
+            elif parts[0] == "assistant":
+                assistant.setdefault(int(parts[1]), {})[parts[2]] = z[key]
+            elif parts[0] == "noise":
+                noise[int(parts[1])] = z[key]
+        c.users = [users[i] for i in sorted(users)]
+        c.assistant = [assistant[i] for i in sorted(assistant)]
+        c.noise = [noise[i] for i in sorted(noise)]
+        return c
+
+
+def source_files(data_root: Path, split: str) -> tuple[list[Path], list[Path]]:
+    """(user utterances, assistant utterances) of a split ('train' or 'heldout') under LibriSpeech root."""
+    cohort = sorted((data_root / "cohort").glob("*.flac"))
+    other = data_root / "test-other"
+    if not cohort or not other.is_dir():
+        raise FileNotFoundError(
+            f"{data_root} must hold LibriSpeech 'cohort/*.flac' and 'test-other/<speaker>/*.flac' "
+            f"(e.g. /work/shared/data/speech); pass it with --data"
+        )
+    users = cohort[:N_TRAIN_USERS] if split == "train" else cohort[N_TRAIN_USERS:]
+    assistant: list[Path] = []
+    for spk in sorted(p for p in other.iterdir() if p.is_dir()):
+        utts = sorted(spk.glob("*.flac"))
+        assistant += utts[:N_TRAIN_ASSISTANT_UTTS] if split == "train" else utts[N_TRAIN_ASSISTANT_UTTS:]
+    return users, assistant
+
+
+def _load_24k(path: Path) -> np.ndarray:
+    import librosa
+    import soundfile as sf
+
+    a, sr = sf.read(str(path), dtype="float32", always_2d=False)
+    if a.ndim > 1:
+        a = a.mean(axis=1)
+    return librosa.resample(a, orig_sr=sr, target_sr=24_000).astype(np.float32)
+
+
+def make_noise(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Unit-RMS white, pink or brown noise."""
+    kind = rng.integers(3)
+    w = rng.standard_normal(n)
+    if kind == 1:  # pink: 1/f spectrum
+        spec = np.fft.rfft(w)
+        spec[1:] /= np.sqrt(np.arange(1, len(spec)))
+        w = np.fft.irfft(spec, n)
+    elif kind == 2:  # brown: integrated white, high-passed a little
+        w = np.cumsum(w)
+        c = np.concatenate([[0.0], np.cumsum(w)])
+        k = 2400  # subtract a 0.1 s moving average (running-sum form: O(n))
+        w = w[k:] - (c[k:-1] - c[:-k - 1]) / k
+        w = np.concatenate([w, w[: n - len(w)]])
+    return (w / (np.sqrt(np.mean(w**2)) + 1e-9)).astype(np.float32)
+
+
+def _noisy(rng: np.random.Generator, x: np.ndarray) -> np.ndarray:
+    snr_db = rng.uniform(0, 20)
+    rms = np.sqrt(np.mean(x**2)) + 1e-9
+    return x + make_noise(rng, len(x)) * rms / 10 ** (snr_db / 20)
+
+
+def frame_activity(x: np.ndarray, rel_db: float = -35.0) -> np.ndarray:
+    """Per 80 ms step: is there speech? Frame RMS within `rel_db` of the utterance's loud frames."""
+    n = -(-len(x) // 1920)
+    frames = np.pad(x, (0, n * 1920 - len(x))).reshape(n, 1920)  # T,1920
+    db = 10 * np.log10(np.mean(frames**2, axis=1) + 1e-12)
+    return db > np.percentile(db, 95) + rel_db
+
+
+def build_cache(data_root: Path, split: str, codec, seed: int, max_seconds: float | None = None) -> CodeCache:
+    """Encode every source of a split once (clean + noised variants, echo variants, fillers)."""
+    from tqdm import tqdm
+
+    from egomem.trigger.codec import codec_fingerprint, encode
+
+    rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+    users, assistant = source_files(data_root, split)
+    cache = CodeCache(fingerprint=codec_fingerprint(codec))
+    cap = None if max_seconds is None else int(max_seconds * 24_000)
+    for p in tqdm(users + assistant, desc=f"encode {split} sources", unit="utt"):
+        x = _load_24k(p)[:cap]
+        x = x / (np.abs(x).max() + 1e-9) * 10 ** rng.uniform(-1.0, -0.3)  # level variety
+        entry = {"clean": encode(codec, x), "noisy": encode(codec, _noisy(rng, x)), "vad": frame_activity(x)}
+        if p in assistant:
+            e = x * rng.uniform(0.02, 0.2)
+            entry["echo"] = encode(codec, e)
+            entry["echo_noisy"] = encode(codec, e + _noise_like(rng, x))  # noise at the speech's SNR, not the echo's
+            cache.assistant.append(entry)
+        else:
+            cache.users.append(entry)
+    cache.silence = encode(codec, rng.standard_normal(24_000 * 4).astype(np.float32) * 1e-4)[8:]
+    cache.noise = noise_clips(codec, split, seed)
+    return cache
+
+
+def noise_clips(codec, split: str, seed: int) -> list[np.ndarray]:
+    """Codes of background-noise clips (10 s each, colours and levels varied, own seeded stream).
+
+    Many clips (48 train / 12 held out): with few, a trigger memorises the noise codes and takes
+    unseen noise for speech."""
+    from egomem.trigger.codec import encode
+
+    rng = np.random.default_rng([seed, 0 if split == "train" else 1, 1])
+    n = 48 if split == "train" else 12
+    return [encode(codec, make_noise(rng, 24_000 * 10) * 10 ** rng.uniform(-2.5, -1.3)) for _ in range(n)]
+
+
+def _noise_like(rng: np.random.Generator, speech: np.ndarray) -> np.ndarray:
+    """Background noise at 0-20 dB SNR relative to the (un-echoed) speech level."""
+    rms = np.sqrt(np.mean(speech**2)) + 1e-9
+    return make_noise(rng, len(speech)) * rms / 10 ** (rng.uniform(0, 20) / 20)
+
+
+def cache_path(cache_dir: Path, split: str, fingerprint: str, seed: int) -> Path:
+    key = hashlib.sha256(f"{CACHE_VERSION}-{fingerprint}-{seed}".encode()).hexdigest()[:10]
+    return cache_dir / f"trigger_codes_{split}_{key}.npz"
+
+
+# ----------------------------------------------------------------------------------------------
+# streams
+
+
+@dataclass
+class StreamSpec:
+    """Knobs of the synthetic stream generator (seconds unless stated)."""
+
+    steps: int = 1024
+    turns: tuple[int, int] = (2, 6)
+    turn_s: tuple[float, float] = (1.5, 6.0)
+    pause_s: tuple[float, float] = (0.2, 1.5)  # inside a session
+    gap_s: tuple[float, float] = (3.0, 15.0)  # between sessions (no dialog)
+    user_first_p: float = 0.8  # a session usually opens with the user addressing the assistant
+    switch_p: float = 0.3  # the next session is a different user right away
+    switch_gap_s: tuple[float, float] = (0.4, 2.5)
+    interrupt_p: float = 0.2  # the next turn starts before the current one ends
+    overlap_s: tuple[float, float] = (0.3, 1.5)
+    echo_p: float = 0.3
+    echo_delay_s: tuple[float, float] = (0.1, 0.5)
+    word_every: tuple[int, int] = (2, 4)  # assistant text: one word token every 2-4 steps
+
+
+def _slice(rng: np.random.Generator, vad: np.ndarray, n: int) -> tuple[int, int]:
+    """A window of at most n steps that starts and ends on speech (so a turn's edges are audible);
+    skips the encoder's 3 warm-up frames."""
+    active = np.flatnonzero(vad[3:]) + 3
+    if active.size == 0:
+        return 3, min(len(vad), 3 + n)
+    a = int(active[rng.integers(max(1, np.searchsorted(active, len(vad) - n // 2)))])
+    ends = active[(active >= a) & (active < a + n)]
+    return a, int(ends[-1]) + 1
+
+
+def _fill(rng: np.random.Generator, filler: np.ndarray, T: int) -> np.ndarray:
+    """Tile a filler code clip to T steps from a random offset."""
+    reps = -(-T // len(filler)) + 1
+    tiled = np.concatenate([filler] * reps)
+    a = int(rng.integers(0, len(filler)))
+    return tiled[a:a + T]
+
+
+def synth_stream(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, noised: bool
+                 ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+    """One stream: tokens [T, 17] int64, labels [T] int64, gold sessions [(start, end inclusive)]."""
+    T = spec.steps
+    u = lambda r: rng.uniform(*r)  # noqa: E731
+    var = "noisy" if noised else "clean"
+    listen_bg = _fill(rng, cache.noise[rng.integers(len(cache.noise))] if noised else cache.silence, T)
+    listen = listen_bg.copy()
+    user_mask = np.zeros(T, bool)  # where the user's own speech was written
+    speak = _fill(rng, cache.silence, T)
+    text = np.full(T, TEXT_PAD, np.int64)
+    labels = np.full(T, NO_DIALOG, np.int64)
+    sessions: list[tuple[int, int]] = []
+    t = _steps(u((0.0, 8.0)))
+    user = int(rng.integers(len(cache.users)))
+    while True:
+        n_turns = int(rng.integers(spec.turns[0], spec.turns[1] + 1))
+        who = 0 if rng.random() < spec.user_first_p else 1  # 0 user first, 1 assistant first
+        plan, cur = [], t
+        for _ in range(n_turns):
+            plan.append((who, cur, _steps(u(spec.turn_s))))
+            end = cur + plan[-1][2]
+            if rng.random() < spec.interrupt_p:
+                cur = max(cur + 1, end - _steps(u(spec.overlap_s)))
+            else:
+                cur = end + _steps(u(spec.pause_s))
+            who = 1 - who
+        placed = []
+        for who, a, n in plan:
+            src = cache.users[user] if who == 0 else cache.assistant[rng.integers(len(cache.assistant))]
+            lo, hi = _slice(rng, src["vad"], n)
+            placed.append((who, a, a + (hi - lo), lo, hi, src))
+        s_start = min(p[1] for p in placed)
+        s_end = max(p[2] for p in placed) - 1
+        if s_end >= T - 1:
+            break  # the session would not end inside the stream: stop here, rest is no dialog
+        for who, a, b, lo, hi, src in placed:
+            if who == 0:
+                listen[a:b] = src[var][lo:hi]
+                user_mask[a:b] = True
+            else:
+                speak[a:b] = src["clean"][lo:hi]
+                k = a
+                while k < b:
+                    text[k] = rng.integers(4, 4000)
+                    k += int(rng.integers(spec.word_every[0], spec.word_every[1] + 1))
+        for who, a, b, lo, hi, src in placed:  # echo after all user speech is known
+            if who == 1 and rng.random() < spec.echo_p:
+                d = _steps(u(spec.echo_delay_s))
+                e = src["echo_noisy" if noised else "echo"][lo:hi]
+                a2, b2 = a + d, min(b + d, T)
+                if a2 < b2:
+                    seg = e[: b2 - a2]
+                    free = ~user_mask[a2:b2]
+                    listen[a2:b2][free] = seg[free]
+        labels[s_start] = START
+        labels[s_start + 1:s_end] = IN_SESSION
+        labels[s_end] = END
+        sessions.append((s_start, s_end))
+        if rng.random() < spec.switch_p and len(cache.users) > 1:
+            user = (user + 1 + int(rng.integers(len(cache.users) - 1))) % len(cache.users)
+            t = s_end + 1 + _steps(u(spec.switch_gap_s))
+        else:
+            user = int(rng.integers(len(cache.users)))
+            t = s_end + 1 + _steps(u(spec.gap_s))
+        if t >= T - _steps(spec.turn_s[0]) * 2:
+            break
+    tokens = np.concatenate([text[:, None], speak.astype(np.int64), listen.astype(np.int64)], axis=1)
+    return tokens, labels, sessions  # [T,17], [T], spans
+
+
+def synth_batch(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, batch: int,
+                noised_p: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """B streams of the same length: tokens [B, T, 17], labels [B, T]."""
+    out = [synth_stream(cache, rng, spec, noised=rng.random() < noised_p) for _ in range(batch)]
+    return np.stack([o[0] for o in out]), np.stack([o[1] for o in out])

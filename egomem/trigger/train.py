@@ -1,0 +1,206 @@
+"""Train the episodic trigger on synthetic streams (`egomem train-trigger`).
+
+Steps: (1) encode the LibriSpeech sources once with the project's Mimi into a code cache
+(`--cache-dir`, reused on later runs with the same Mimi); (2) train on freshly synthesised streams
+(batch b of step s is drawn from `rng([seed, s])`, so a resumed run sees the same data as an
+uninterrupted one); (3) evaluate on held-out streams (held-out users and assistant utterances,
+clean and noised); (4) write fp16 weights + metadata to `--out`.
+
+The shipped offline default `egomem/data/trigger_tiny.safetensors` (1.5 MB) is made by
+
+    python -m egomem.trigger.train --data /work/shared/data/speech \
+        --out egomem/data/trigger_tiny.safetensors --seed 0 --steps 3000
+
+(LibriSpeech FLAC as in the project's shared data; no espeak/flite needed). Training: ≈11 min on
+an idle 2-core CPU (one torch thread, ~4.5 steps/s), longer while the machine is shared; building
+the code cache the first time: ≈5 min idle (≈20 min shared). Rerunning the command after a kill
+resumes from `--ckpt-dir`.
+For real Mimi weights set `mimi.weights` in the config (`--config`) and run the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from egomem.config import REPO_ROOT, load_config
+from egomem.trigger.decode import decode_sessions, viterbi_labels
+from egomem.trigger.metrics import evaluate
+from egomem.trigger.model import TriggerModel, TriggerModelConfig, save_trigger
+from egomem.trigger.synth import CodeCache, StreamSpec, build_cache, cache_path, synth_batch, synth_stream
+
+log = logging.getLogger(__name__)
+
+CLASS_WEIGHTS = (1.0, 8.0, 1.0, 8.0)  # start/end are ~1% of steps; weigh them up so boundaries are learnt
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="egomem train-trigger", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, help="LibriSpeech root with cohort/ and test-other/ (needed to build the code cache)")
+    p.add_argument("--config", type=Path, help="EgoMem TOML config (mimi.* picks the tokeniser, trigger.* the dims)")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "trigger" / "trigger.safetensors")
+    p.add_argument("--cache-dir", type=Path, default=REPO_ROOT / "runs" / "trigger_cache")
+    p.add_argument("--ckpt-dir", type=Path, default=REPO_ROOT / "runs" / "trigger" / "ckpt",
+                   help="resumable training state (last.pt); a rerun of the same command resumes from it")
+    p.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint in --ckpt-dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch", type=int, default=3)
+    p.add_argument("--stream-steps", type=int, default=768, help="training stream length (80 ms steps)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--ckpt-every", type=int, default=100)
+    p.add_argument("--eval-streams", type=int, default=48, help="held-out streams per condition at the end")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: fastest on a shared 2-core machine, and reproducible; 0: torch's default)")
+    return p.parse_args(argv)
+
+
+def load_or_build_cache(args: argparse.Namespace, mimi_cfg, split: str) -> CodeCache:
+    """The split's code cache for this Mimi, built (once) from --data if it is not there yet."""
+    from egomem.trigger.codec import build_codec, codec_fingerprint
+
+    codec = build_codec(mimi_cfg)
+    fp = codec_fingerprint(codec)
+    path = cache_path(args.cache_dir, split, fp, args.seed)
+    if path.is_file():
+        return CodeCache.load(path)
+    if args.data is None:
+        raise SystemExit(f"no code cache {path}: pass --data <LibriSpeech root> (cohort/, test-other/) to build it")
+    cache = build_cache(args.data, split, codec, seed=args.seed)
+    cache.save(path)
+    return cache
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    w = torch.tensor(CLASS_WEIGHTS, device=logits.device)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), weight=w)  # (B*T),4
+
+
+@torch.no_grad()
+def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noised: bool,
+                   spec: StreamSpec | None = None) -> dict:
+    """span metrics on n held-out streams (seeded: the same streams for every model)."""
+    spec = spec or StreamSpec(steps=1024)
+    rng = np.random.default_rng([seed, 7, int(noised)])
+    preds, golds = [], []
+    model.eval()
+    for _ in range(n):
+        tokens, _, gold = synth_stream(cache, rng, spec, noised=noised)
+        log_probs = torch.log_softmax(model(torch.from_numpy(tokens)[None])[0], -1).numpy()  # T,4
+        preds.append(decode_sessions(viterbi_labels(log_probs)))
+        golds.append(gold)
+    return evaluate(preds, golds)
+
+
+def make_model(t, seed: int) -> TriggerModel:
+    """A fresh trigger network with the dims of a TriggerConfig section, seeded."""
+    mcfg = TriggerModelConfig(dim=t.dim, num_layers=t.num_layers, num_heads=t.num_heads, emb_rank=t.emb_rank,
+                              text_buckets=t.text_buckets, conv_kernel=t.conv_kernel)
+    torch.manual_seed(seed)
+    return TriggerModel(mcfg)
+
+
+def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream_steps: int, lr: float,
+        seed: int, ckpt: Path | None = None, ckpt_every: int = 100, resume: bool = True,
+        stop_after: int | None = None, progress: bool = True) -> list[float]:
+    """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
+
+    With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
+    `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
+    run continues exactly where the interrupted one was. `stop_after` ends this call early (tests).
+    """
+    from tqdm import tqdm
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * min(1.0, s / steps))))
+    start, losses = 0, []
+    if ckpt is not None and ckpt.is_file() and resume:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if (state["model_cfg"], state["seed"], state.get("total_steps")) != (model.cfg.to_dict(), seed, steps):
+            raise SystemExit(f"{ckpt} was made with another model config, seed or --steps; "
+                             f"pass --no-resume or another --ckpt-dir")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        start, losses = state["step"], state["losses"]
+        log.info("resuming from %s at step %d", ckpt, start)
+    spec = StreamSpec(steps=stream_steps)
+    end = steps if stop_after is None else min(steps, start + stop_after)
+    model.train()
+    bar = tqdm(range(start, end), initial=start, total=steps, desc="train trigger", unit="step", disable=not progress)
+    for step in bar:
+        rng = np.random.default_rng([seed, step])
+        tokens, labels = synth_batch(cache, rng, spec, batch)  # [B,T,17], [B,T]
+        loss = loss_fn(model(torch.from_numpy(tokens)), torch.from_numpy(labels))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}")
+        if ckpt is not None and ((step + 1) % ckpt_every == 0 or step + 1 == end):
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "step": step + 1, "losses": losses, "model_cfg": model.cfg.to_dict(), "seed": seed,
+                        "total_steps": steps}, tmp)
+            tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
+    model.eval()
+    return losses
+
+
+def train(args: argparse.Namespace) -> dict:
+    cfg = load_config(args.config)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    train_cache = load_or_build_cache(args, cfg.mimi, "train")
+    held_cache = load_or_build_cache(args, cfg.mimi, "heldout")
+    model = make_model(cfg.trigger, args.seed)
+    ckpt = args.ckpt_dir / "last.pt"
+    t0 = time.time()
+    losses = fit(model, train_cache, steps=args.steps, batch=args.batch, stream_steps=args.stream_steps, lr=args.lr,
+                 seed=args.seed, ckpt=ckpt, ckpt_every=args.ckpt_every, resume=not args.no_resume)
+    train_s = time.time() - t0
+    from egomem.trigger.codec import build_codec, codec_fingerprint
+
+    results = {cond: evaluate_model(model, held_cache, args.eval_streams, args.seed, noised=(cond == "noised"))
+               for cond in ("clean", "noised")}
+    meta = {
+        "codec_fingerprint": codec_fingerprint(build_codec(cfg.mimi)),
+        "mimi_preset": cfg.mimi.preset,
+        "mimi_weights": str(cfg.mimi.weights),
+        "train_command": "python -m egomem.trigger.train " + shlex.join(args.argv),
+        "seed": args.seed,
+        "steps": args.steps,
+        "final_loss": float(np.mean(losses[-50:])) if losses else float("nan"),
+        "heldout": json.dumps(results),
+    }
+    save_trigger(model, args.out, meta)
+    summary = {"out": str(args.out), "train_seconds_this_run": round(train_s, 1),
+               "first_loss": losses[0] if losses else None, "final_loss": meta["final_loss"], "heldout": results}
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Triton Python-backend adapter for the episodic trigger (logic: egomem.trigger.TriggerLabeler)."""
+
+import triton_python_backend_utils as pb_utils
+
+from egomem.config import load_config
+from egomem.serving.adapter import check_model_config
+from egomem.trigger import TriggerLabeler
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        check_model_config(args, inputs={"TOKENS": "TYPE_INT64"}, outputs={"LABELS": "TYPE_INT64"})
+        cfg = load_config().trigger
+        if args.get("model_instance_kind") == "GPU":
+            cfg.device = "cuda"
+        elif cfg.device == "auto":
+            cfg.device = "cpu"  # a KIND_CPU instance stays on the CPU even where CUDA is visible
+        self.labeler = TriggerLabeler(cfg)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS").as_numpy()
+                labels = self.labeler.label(tokens)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("LABELS", labels)]))
+            except Exception as e:  # noqa: BLE001 — one bad request must not fail the others
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(f"episodic_trigger: {e}")))
+        return responses
+
+    def finalize(self):
+        self.labeler = None

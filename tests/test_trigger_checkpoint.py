@@ -1,0 +1,55 @@
+"""The shipped trigger checkpoint: small, documented, made for the default Mimi, and it reaches the
+benchmark's bar on held-out synthetic streams (held-out users and assistant utterances).
+
+Bar: `egomem.trigger.metrics.SHIPPED_BAR` (Jaccard and span_match F1@5 per condition), the same bar
+bench/bench_trigger.py reports on 200 streams per condition; here 24 clean + 24 noised streams.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from egomem.trigger import SHIPPED_CHECKPOINT, TriggerLabeler, decode_sessions
+from egomem.trigger.metrics import SHIPPED_BAR, evaluate
+from egomem.trigger.synth import CodeCache, StreamSpec, synth_stream
+
+CACHE = Path(__file__).parent / "data" / "trigger" / "heldout_codes.npz"
+
+
+@pytest.fixture(scope="module")
+def labeler() -> TriggerLabeler:
+    return TriggerLabeler()
+
+
+def test_shipped_checkpoint_is_small_and_documented(labeler):
+    assert labeler.checkpoint == SHIPPED_CHECKPOINT
+    assert SHIPPED_CHECKPOINT.stat().st_size <= 5 * 2**20
+    cmd = labeler.meta["train_command"]
+    assert "--seed" in cmd and "--data" in cmd
+    assert labeler.meta["mimi_preset"] == "tiny" and labeler.meta["mimi_weights"] == "None"
+
+
+def test_checkpoint_matches_the_default_mimi(labeler):
+    """A changed default Mimi makes the shipped trigger stale: retrain with the documented command."""
+    from egomem.config import MimiConfig
+    from egomem.trigger.codec import build_codec, codec_fingerprint
+
+    cache = CodeCache.load(CACHE)
+    assert labeler.meta["codec_fingerprint"] == cache.fingerprint
+    assert codec_fingerprint(build_codec(MimiConfig())) == cache.fingerprint
+
+
+@pytest.mark.parametrize("cond", ["clean", "noised"])
+def test_shipped_checkpoint_reaches_the_bar(labeler, cond):
+    cache = CodeCache.load(CACHE)
+    rng = np.random.default_rng([2024, int(cond == "noised")])
+    preds, golds = [], []
+    for _ in range(24):
+        tokens, _, gold = synth_stream(cache, rng, StreamSpec(steps=1024), noised=(cond == "noised"))
+        preds.append(decode_sessions(labeler.label(tokens)))
+        golds.append(gold)
+    m = evaluate(preds, golds)
+    assert m["gold_sessions"] >= 40
+    assert m["jaccard"] >= SHIPPED_BAR[cond]["jaccard"], m
+    assert m["span_match@5"]["f1"] >= SHIPPED_BAR[cond]["f1@5"], m

@@ -1,0 +1,116 @@
+"""Label decoding (egomem.trigger.decode) on hand-made sequences, and the span metrics."""
+
+import numpy as np
+import pytest
+
+from egomem.trigger.decode import decode_sessions, sessions_to_labels
+from egomem.trigger.metrics import count_matches, evaluate, jaccard
+
+
+def seq(s: str) -> np.ndarray:
+    return np.array([int(c) for c in s.replace(" ", "")])
+
+
+@pytest.mark.parametrize(
+    "labels, expected",
+    [
+        ("0000", []),
+        ("0122223000", [(1, 6)]),
+        ("1223 0000 1222223", [(0, 3), (8, 14)]),
+        ("0130", []),  # R6: two steps < min_len 3
+        # R1 adjacent starts: a user switch without an end label
+        ("0122212223000", [(1, 4), (5, 9)]),
+        # R2 an end without a start: the 2s before it opened the session (R3)
+        ("000222230", [(3, 7)]),
+        # R2 a lone end after 0s is a one-step session, dropped by min_len
+        ("0003000", []),
+        # R3 in-session run without a start, never ended: closed at its last step (R5)
+        ("0022222", [(2, 6)]),
+        # R5 start without end at the chunk boundary
+        ("00122222", [(2, 7)]),
+        # R5 start without end, then trailing no-dialog: closed at the last non-0 step
+        ("0122200000000000000000", [(1, 4)]),
+        # R6 isolated short blips are dropped
+        ("0010000000000000000200000", []),
+    ],
+)
+def test_decode_rules(labels, expected):
+    assert decode_sessions(seq(labels), max_gap=4, min_len=3) == expected
+
+
+def test_short_zero_flicker_is_absorbed_long_gap_splits():
+    flicker = seq("1222" + "000" + "2223")  # 3 zeros < max_gap 4
+    assert decode_sessions(flicker, max_gap=4) == [(0, 10)]
+    split = seq("1222" + "00000" + "2223")  # 5 zeros >= max_gap: the first part ends at its last 2
+    assert decode_sessions(split, max_gap=4) == [(0, 3), (9, 12)]
+
+
+def test_end_then_start_right_away():
+    assert decode_sessions(seq("12231223"), min_len=1) == [(0, 3), (4, 7)]
+
+
+def test_round_trip_random_clean_spans():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        T, t, spans = 300, 0, []
+        while True:
+            t += int(rng.integers(0, 20))
+            n = int(rng.integers(3, 40))
+            if t + n > T:
+                break
+            spans.append((t, t + n - 1))
+            t += n
+        assert decode_sessions(sessions_to_labels(spans, T), max_gap=13, min_len=3) == spans
+
+
+def test_rejects_bad_labels():
+    with pytest.raises(ValueError, match="0, 1, 2, 3"):
+        decode_sessions(np.array([0, 5, 2]))
+
+
+def test_metrics_exact_and_shifted():
+    gold = [[(10, 50), (60, 100)]]
+    assert evaluate(gold, gold)["span_match@0"]["f1"] == 1.0
+    assert evaluate(gold, gold)["jaccard"] == 1.0
+    shifted = [[(13, 50), (60, 106)]]
+    m = evaluate(shifted, gold)
+    assert m["span_match@0"]["f1"] == 0.0
+    assert m["span_match@5"]["precision"] == 0.5 and m["span_match@5"]["recall"] == 0.5
+    assert m["span_match@10"]["f1"] == 1.0
+    assert m["jaccard"] == pytest.approx(79 / 88)  # overlap 38 + 41 steps, union 82 + 85 - 79
+
+
+def test_metrics_one_to_one_and_empty():
+    assert count_matches([(0, 10), (1, 10)], [(0, 10)], 5) == 1  # a gold span matches once
+    assert jaccard([], []) == 1.0
+    m = evaluate([[(0, 5)]], [[]])
+    assert m["span_match@5"]["precision"] == 0.0 and m["jaccard"] == 0.0
+
+
+def _onehot_logp(labels: str, p: float = 0.9) -> np.ndarray:
+    lab = seq(labels)
+    lp = np.full((len(lab), 4), np.log((1 - p) / 3))
+    lp[np.arange(len(lab)), lab] = np.log(p)
+    return lp
+
+
+def test_viterbi_keeps_clean_sequences_and_repairs_broken_ones():
+    from egomem.trigger.decode import viterbi_labels
+
+    clean = "0012222300012300"
+    np.testing.assert_array_equal(viterbi_labels(_onehot_logp(clean)), seq(clean))
+    # a stray, unsure start inside a session is no split (a split would also need an end label),
+    # while per-step argmax + decode_sessions would cut the session in two
+    lp = _onehot_logp("00122222222300")
+    lp[7] = np.log([0.05, 0.5, 0.4, 0.05])
+    assert decode_sessions(lp.argmax(1), min_len=1) == [(2, 6), (7, 11)]
+    assert decode_sessions(viterbi_labels(lp), min_len=1) == [(2, 11)]
+    # in-session run without start or end still becomes one well-formed session
+    out = viterbi_labels(_onehot_logp("00022222000"))
+    assert len(decode_sessions(out, min_len=1)) == 1
+    # every output is well-formed: decoding it then re-encoding gives it back
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lp = np.log(rng.dirichlet(np.ones(4), size=200))
+        out = viterbi_labels(lp)
+        np.testing.assert_array_equal(sessions_to_labels(decode_sessions(out, max_gap=10**9, min_len=1), 200), out)
