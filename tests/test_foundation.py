@@ -119,9 +119,13 @@ def test_doctor_on_a_broken_install_says_what_to_do(tmp_path):
     cfg.mimi.weights = tmp_path / "missing-mimi.safetensors"
     cfg.server.tritonserver_binary = tmp_path / "no-tritonserver"
     cfg.server.models = ["mimi_codec", "no_such_model"]
+    cfg.trigger.checkpoint = tmp_path / "no-trigger.safetensors"
+    cfg.identity.voice_backend = "wavlm"  # the paper's model, with no local checkpoint configured
     lines: list[str] = []
     assert run_doctor(cfg, out=lines.append) == 1
     text = "\n".join(lines)
+    assert f"[FAIL] episodic trigger checkpoint: missing {tmp_path / 'no-trigger.safetensors'}" in text
+    assert "[FAIL] identity.wavlm_checkpoint unset" in text
     assert f"[FAIL] mimi.weights {tmp_path / 'missing-mimi.safetensors'} not found" in text
     assert "tritonserver binary not found" in text and "reinstall nvidia-pytriton" in text
     assert "[FAIL] model no_such_model" in text
