@@ -19,8 +19,8 @@ def _add_config(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Start tritonserver on the model repository and keep it up until Ctrl-C / SIGTERM."""
-    from egomem.serving.launcher import TritonServer
+    """Start tritonserver, the orchestrator and the memory worker; keep them up until Ctrl-C / SIGTERM."""
+    from egomem.stack import Stack, models_for
 
     cfg = load_config(args.config)
     if args.models:
@@ -28,17 +28,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server = TritonServer(cfg)
-    print(f"starting tritonserver with models {cfg.server.models} (log: {server.log_path}) ...", flush=True)
-    with server:
-        print(f"ready: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics :{cfg.server.metrics_port}. "
-              f"Ctrl-C to stop.", flush=True)
+    stack = Stack(cfg, models=args.models.split(",") if args.models else models_for(cfg), worker=not args.no_worker)
+    print(f"starting tritonserver with models {stack.triton.models} (log: {stack.triton.log_path}) ...", flush=True)
+    with stack:
+        print(f"ready: chat ws://{cfg.orchestrator.host}:{cfg.orchestrator.port}/api/chat, REST {stack.url}/api, "
+              f"metrics {stack.url}/metrics; tokens in {cfg.orchestrator.tokens_file or cfg.server.run_dir / 'tokens.json'}; "
+              f"Triton gRPC {stack.triton.grpc_url}. Ctrl-C to stop.", flush=True)
         while not stop.wait(1.0):
-            if not server.is_alive():
-                print(f"tritonserver exited unexpectedly.\n{server.log_tail()}", file=sys.stderr)
+            if not stack.is_alive():
+                print(f"a service exited unexpectedly.\n{stack.triton.log_tail()}\n{stack.log_tail()}", file=sys.stderr)
                 return 1
     print("stopped.")
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Talk to a running `egomem serve`: microphone (or --audio FILE) and --image files in, events out."""
+    import asyncio
+    from pathlib import Path
+
+    from egomem.chat import run_chat
+    from egomem.stack import tokens_path
+
+    cfg = load_config(args.config)
+    token = args.token
+    if token is None:
+        import json
+
+        path = tokens_path(cfg)
+        if not path.is_file():
+            print(f"no token: pass --token, or run `egomem serve` first (it writes {path})", file=sys.stderr)
+            return 2
+        token = next(t for t, scope in json.loads(path.read_text()).items() if scope in ("stream", "admin"))
+    url = args.url or f"http://{cfg.orchestrator.host}:{cfg.orchestrator.port}"
+    return asyncio.run(run_chat(url, token, Path(args.audio) if args.audio else None,
+                                [Path(p) for p in args.image], args.say, args.seconds,
+                                Path(args.save_audio) if args.save_audio else None))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the scripted two-day memory scenario end to end on CPU (a private stack on free ports)."""
+    from pathlib import Path
+
+    from egomem.demo import main as demo_main
+    from egomem.serving.launcher import free_port
+
+    cfg = load_config(args.config)
+    if not args.keep_ports:
+        cfg.server.http_port, cfg.server.grpc_port, cfg.server.metrics_port = free_port(), free_port(), free_port()
+        cfg.orchestrator.port = free_port()
+    cfg.server.run_dir = Path(args.out) if args.out else cfg.server.run_dir / "demo"
+    cfg.orchestrator.tokens_file = cfg.server.run_dir / "demo_tokens.json"
+    return demo_main(cfg, Path(args.data) if args.data else None, cfg.server.run_dir, args.seconds)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -58,18 +99,50 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start tritonserver (and the service) on the embedded defaults",
                        description=cmd_serve.__doc__)
     _add_config(p)
-    p.add_argument("--models", help="comma-separated models to load (default: server.models)")
+    p.add_argument("--models", help="comma-separated models to load (default: what the orchestrator needs)")
+    p.add_argument("--no-worker", action="store_true", help="do not run a memory worker in this process")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("chat", help="terminal chat client: microphone or a speech file, images, events",
+                       description=cmd_chat.__doc__)
+    _add_config(p)
+    p.add_argument("--url", help="orchestrator base URL (default: from [orchestrator] host/port)")
+    p.add_argument("--token", help="bearer token (default: the first one in the tokens file `serve` wrote)")
+    p.add_argument("--audio", metavar="FILE", help="speech file to stream in real time (default: the microphone)")
+    p.add_argument("--image", metavar="FILE", action="append", default=[], help="camera frame (JPEG/PNG); repeatable")
+    p.add_argument("--say", metavar="TEXT", help="what the user says, as a transcript line (no ASR on the client)")
+    p.add_argument("--seconds", type=float, help="stop after this many seconds of audio")
+    p.add_argument("--save-audio", metavar="WAV", help="write the model's voice here")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("demo", help="scripted two-day memory scenario, end to end on CPU",
+                       description=cmd_demo.__doc__)
+    _add_config(p)
+    p.add_argument("--data", help="folder with the demo's speech and face files (default: tests/data/identity)")
+    p.add_argument("--out", help="output folder (default: <server.run_dir>/demo)")
+    p.add_argument("--seconds", type=float, default=6.0, help="seconds of speech per visit")
+    p.add_argument("--keep-ports", action="store_true", help="use the configured ports instead of free ones")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("doctor", help="check the installation; say what to do for each problem",
                        description=cmd_doctor.__doc__)
     _add_config(p)
     p.set_defaults(func=cmd_doctor)
+
+    # train-trigger owns its arguments (egomem.trigger.train); `egomem train-trigger --help` lists them.
+    p = sub.add_parser("train-trigger", help="train the episodic trigger on synthetic streams (resumable)",
+                       add_help=False)
+    p.set_defaults(func=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-trigger"]:
+        from egomem.trigger.train import main as train_trigger
+
+        return int(train_trigger(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

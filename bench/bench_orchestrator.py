@@ -1,0 +1,254 @@
+"""Load benchmark of the orchestrator: N concurrent `/api/chat` WebSocket streams sending real-time audio.
+
+Per N (client view, after a warm-up): per-frame latency p50/p90/p99, goodput (share of output frames
+answered within 80 ms), time to first audio, real-time factor; and the largest N that stays real
+time (goodput >= --realtime-goodput). Peer, measured in the same run: the same codec + dialog model
+stepped in-process (no Triton, no WebSocket, batched like the served models), whose per-tick time is
+the floor; the ratio (orchestrator p50 frame latency / in-process p50 tick) is the serving overhead.
+
+CPU: every model process (and the in-process peer) runs one torch/OpenMP thread (egomem.serving.launcher: one thread per CPU model process).
+
+Frame latency (client view): the model's voice is played from its first frame on at 12.5 frames/s;
+output frame j is due at t_first + j*80 ms, and its latency is its arrival minus the arrival it would
+have with the steadiest frame so far (arrival_j - due_j - min over frames of the same), so a server
+keeping pace scores ~0 whatever the pipeline depth; goodput = share of frames within 80 ms (no
+playback stall with a one-frame jitter buffer; frames never answered count as misses). The server
+side reports its mean tick time (/metrics), which is compared with the in-process tick at the same N
+(the ratio is the serving overhead: Triton + gRPC + WebSocket + Python).
+
+    .venv/bin/python bench/bench_orchestrator.py --streams 1 2 4 --seconds 8
+    .venv/bin/python bench/bench_orchestrator.py --device cuda --preset 7b --streams 1 8 32   # GPU session
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from egomem import protocol as P  # noqa: E402
+from egomem.client import EgoMemClient  # noqa: E402
+from egomem.config import load_config  # noqa: E402
+from egomem.serving.launcher import free_port  # noqa: E402
+from egomem.stack import Stack  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def pct(a_ms: np.ndarray) -> dict[str, float]:
+    if a_ms.size == 0:
+        return {}
+    return {f"p{q}": round(float(np.percentile(a_ms, q)), 2) for q in (50, 90, 95, 99)} | {
+        "mean": round(float(a_ms.mean()), 2)}
+
+
+async def one_stream(url: str, token: str, pcm: np.ndarray, warmup_frames: int) -> dict:
+    async with EgoMemClient(url, token, timeout_s=120) as c:
+        t_connect = time.monotonic()
+        chat = await c.open_chat(handshake_timeout=60)
+        t0 = time.monotonic()
+        sends: list[float] = []
+        n = len(pcm) // P.FRAME_SAMPLES
+        for k in range(n):
+            delay = t0 + k * P.TICK_S - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if chat.closed:
+                break
+            sends.append(time.monotonic())
+            try:
+                await chat.send_pcm(pcm[k * P.FRAME_SAMPLES:(k + 1) * P.FRAME_SAMPLES])
+            except ConnectionError:
+                break
+        try:  # the last frames' answers
+            await chat.wait_for(lambda s: sum(len(x) for _, x in s.audio_chunks) >= (n - 3) * P.FRAME_SAMPLES, 10)  # the pipeline's last ticks
+        except (TimeoutError, ConnectionError):
+            pass
+        await chat.close()
+    arrivals, total = [], 0
+    for t, chunk in chat.audio_chunks:  # output frame j is complete when 1920*(j+1) samples have arrived
+        total += len(chunk)
+        while len(arrivals) < total // P.FRAME_SAMPLES:
+            arrivals.append(t)
+    late = np.asarray([arrivals[j] - (arrivals[0] + j * P.TICK_S) for j in range(len(arrivals))])
+    lat = (late - late.min())[warmup_frames:] if late.size else late
+    return {"lat_ms": np.asarray(lat) * 1e3, "ttfa_s": (chat.audio_chunks[0][0] - t0) if chat.audio_chunks else None,
+            "connect_s": t0 - t_connect, "frames_in": n, "frames_out": len(arrivals),
+            "span_s": (arrivals[-1] - t0) if arrivals else None, "errors": chat.errors}
+
+
+async def wait_idle(url: str, admin_token: str, timeout: float = 60.0) -> None:
+    """Streams of the previous run still closing their model sequences hold slots: wait for them."""
+    async with EgoMemClient(url, admin_token) as c:
+        deadline = time.monotonic() + timeout
+        while (await c.request("GET", "/api/streams"))["streams"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+
+
+async def server_ticks(url: str, admin_token: str) -> tuple[float, float]:
+    """(sum of tick seconds, tick count) from the orchestrator's /metrics."""
+    async with EgoMemClient(url, admin_token) as c:
+        text = await c.metrics()
+    vals = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("egomem_tick_seconds_"))
+    return float(vals["egomem_tick_seconds_sum"]), float(vals["egomem_tick_seconds_count"])
+
+
+async def served(url: str, token: str, n: int, seconds: float, warmup_s: float, admin_token: str) -> dict:
+    s0, c0 = await server_ticks(url, admin_token)
+    pcm = (0.2 * np.sin(2 * np.pi * 220 * np.arange(int(seconds * P.SAMPLE_RATE)) / P.SAMPLE_RATE)).astype(np.float32)
+    runs = await asyncio.gather(*[one_stream(url, token, pcm, int(warmup_s / P.TICK_S)) for _ in range(n)])
+    lat = np.concatenate([r["lat_ms"] for r in runs])
+    expected = sum(r["frames_in"] - int(warmup_s / P.TICK_S) for r in runs)
+    good = float((lat <= 80.0).sum() / max(expected, 1))  # frames never answered count as misses
+    spans = [r["span_s"] / ((r["frames_out"]) * P.TICK_S) for r in runs if r["span_s"] and r["frames_out"]]
+    ttfa = [r["ttfa_s"] for r in runs if r["ttfa_s"] is not None]
+    s1, c1 = await server_ticks(url, admin_token)
+    return {"streams": n, "latency_ms": pct(lat), "goodput": round(good, 3),
+            "server_tick_ms_mean": round(1e3 * (s1 - s0) / max(c1 - c0, 1), 2),
+            "ttfa_ms": round(1e3 * float(np.median(ttfa)), 1) if ttfa else None,
+            "rtf": round(float(np.median(spans)), 3) if spans else None,
+            "frames_answered": int(lat.size), "frames_expected": int(expected),
+            "errors": sorted({e for r in runs for e in r["errors"]})}
+
+
+def in_process(cfg, n: int, steps: int, warmup: int, device: str) -> dict:
+    """The same codec + dialog model stepped in this process: one batched encode, step, decode per tick."""
+    import torch
+
+    from egomem.codec.mimi import MimiStreamPool, build_mimi
+    from egomem.dialog.serving import DialogRequest, DialogStreamPool, build_engine
+
+    if device == "cpu":
+        torch.set_num_threads(1)  # as each served model process gets (egomem.serving.launcher: one thread per CPU model process)
+    mimi = MimiStreamPool(build_mimi(cfg.mimi, device), n)
+    engine, tok = build_engine(cfg.dialog, device)
+    dialog = DialogStreamPool(engine, tok)
+    ids = list(range(1, n + 1))
+    for s in ids:
+        mimi.open(s)
+    pcm = (0.2 * np.sin(2 * np.pi * 220 * np.arange(P.FRAME_SAMPLES) / P.SAMPLE_RATE)).astype(np.float32)
+    speak = None
+    times = []
+    for t in range(steps + warmup):
+        t0 = time.perf_counter()
+        codes = mimi.encode(ids, np.stack([pcm] * n))  # [N, 8]
+        res = dialog.serve([DialogRequest(s, start=t == 0, listen=codes[i]) for i, s in enumerate(ids)])
+        if speak is not None:
+            mimi.decode(ids, speak)
+        sp = np.stack([r.speak_codes for r in res])  # [N, 8]
+        speak = sp if (sp >= 0).all() else None
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if t >= warmup:
+            times.append(time.perf_counter() - t0)
+    a = np.asarray(times) * 1e3
+    return {"streams": n, "tick_ms": pct(a), "rtf": round(float(a.mean()) / 80.0, 3),
+            "realtime": bool(np.percentile(a, 90) <= 80.0)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [r["streams"] for r in result["served"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for q, style in (("p50", "-o"), ("p99", "--o")):
+        a1.plot(ns, [r["latency_ms"].get(q, np.nan) for r in result["served"]], style, label=f"frame latency {q}")
+    a1.plot(ns, [r["server_tick_ms_mean"] for r in result["served"]], "-s", label="served tick (mean)")
+    a1.plot(ns, [r["tick_ms"]["mean"] for r in result["in_process"]], "-^", label="in-process tick (mean)")
+    a1.axhline(80, color="grey", lw=0.8)
+    a1.set_xlabel("concurrent streams")
+    a1.set_ylabel("ms")
+    a1.set_yscale("symlog", linthresh=10)
+    a1.set_ylim(bottom=0)
+    a1.legend(fontsize=8)
+    a1.set_title("per-frame latency")
+    a2.plot(ns, [r["goodput"] for r in result["served"]], "-o")
+    a2.set_ylim(0, 1.05)
+    a2.set_xlabel("concurrent streams")
+    a2.set_title("goodput (answered within 80 ms)")
+    fig.suptitle(f"bench_orchestrator ({result['device']}, {result['preset']}, tick_clock={result['tick_clock']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--seconds", type=float, default=8.0, help="audio per stream")
+    ap.add_argument("--warmup-s", type=float, default=2.0)
+    ap.add_argument("--inproc-steps", type=int, default=100)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--preset", choices=["tiny", "7b"], default="tiny", help="dialog preset (7b: GPU; Mimi 'full')")
+    ap.add_argument("--realtime-goodput", type=float, default=0.95)
+    ap.add_argument("--tick-clock", choices=["input", "global"], default="global",
+                    help="orchestrator.tick_clock: per-stream input-driven ticks, or one grid for all (batching)")
+    ap.add_argument("--out", default=str(RESULTS / "bench_orchestrator.json"))
+    args = ap.parse_args()
+
+    cfg = load_config(env={})
+    run_dir = Path(tempfile.mkdtemp(prefix="bench_orch_"))
+    cfg.server.run_dir = run_dir
+    cfg.server.http_port, cfg.server.grpc_port, cfg.server.metrics_port = free_port(), free_port(), free_port()
+    cfg.server.device = args.device
+    cfg.dialog.preset = args.preset
+    cfg.mimi.preset = "full" if args.preset == "7b" else "tiny"
+    top = max(args.streams)
+    cfg.dialog.max_streams = cfg.mimi.max_streams = cfg.orchestrator.max_streams = top
+    cfg.orchestrator.port = free_port()
+    cfg.orchestrator.identify_models = cfg.orchestrator.retrieval = False
+    cfg.orchestrator.tick_clock = args.tick_clock
+    cfg.orchestrator.triton_timeout_s = 30.0  # a saturated shared CPU answers slowly: measure it, don't fail it
+    cfg.memory.database = run_dir / "memory.sqlite3"
+    cfg.memory.chunk_dir = run_dir / "chunks"
+    cfg.server.models = []
+
+    result: dict = {"device": args.device, "preset": args.preset, "seconds": args.seconds, "served": [],
+                    "tick_clock": args.tick_clock,
+                    "in_process": []}
+    with Stack(cfg, models=["mimi_codec", "dialog_lm"], worker=False) as stack:
+        for n in args.streams:
+            asyncio.run(wait_idle(stack.url, stack.tokens["admin"]))
+            r = asyncio.run(served(stack.url, stack.tokens["stream"], n, args.seconds, args.warmup_s,
+                                   stack.tokens["admin"]))
+            print(f"served     N={n:3d}  {r}", flush=True)
+            result["served"].append(r)
+    for n in args.streams:
+        r = in_process(cfg, n, args.inproc_steps, 10, args.device)
+        print(f"in-process N={n:3d}  {r}", flush=True)
+        result["in_process"].append(r)
+    for s, ip in zip(result["served"], result["in_process"]):
+        s["overhead_ratio_tick"] = round(s["server_tick_ms_mean"] / ip["tick_ms"]["mean"], 2)
+        if s["rtf"] and ip["rtf"]:  # defined even when neither keeps up (a saturated box)
+            s["overhead_ratio_rtf"] = round(max(s["rtf"], 1.0) / max(ip["rtf"], 1.0), 2)
+    rt = [r["streams"] for r in result["served"] if r["goodput"] >= args.realtime_goodput]
+    result["max_realtime_streams_served"] = max(rt) if rt else 0
+    rt_ip = [r["streams"] for r in result["in_process"] if r["realtime"]]
+    result["max_realtime_streams_in_process"] = max(rt_ip) if rt_ip else 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print("\n  N | p50 ms | p90 ms | p99 ms | goodput | TTFA ms | RTF   | served tick | in-proc tick | ratio tick | ratio RTF")
+    for s, ip in zip(result["served"], result["in_process"]):
+        lm = s["latency_ms"] or {}
+        print(f"{s['streams']:3d} | {lm.get('p50', float('nan')):6.1f} | {lm.get('p90', float('nan')):6.1f} | "
+              f"{lm.get('p99', float('nan')):6.1f} | {s['goodput']:7.3f} | {s['ttfa_ms']} | {s['rtf']} | "
+              f"{s['server_tick_ms_mean']:11.1f} | {ip['tick_ms']['mean']:12.1f} | {s['overhead_ratio_tick']:10.2f} | "
+              f"{s.get('overhead_ratio_rtf')}")
+    print(f"largest real-time N: served {result['max_realtime_streams_served']}, "
+          f"in-process {result['max_realtime_streams_in_process']}   -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""`egomem chat`: a terminal client for `/api/chat` that shows recognition and memory events.
+
+Audio: the microphone when `sounddevice` finds one (PortAudio present), else a speech file
+(`--audio`, any format soundfile reads; resampled to 24 kHz) streamed in real time. Video: one or
+more image files (`--image`, JPEG/PNG) sent once a second in turn. The model's voice is written to
+`--save-audio` (WAV) when given; its text channel and every event are printed as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from egomem import protocol as P
+from egomem.client import ChatSession, EgoMemClient, stream_audio
+
+
+def _microphone():
+    """An InputStream at 24 kHz mono, or None when no microphone / no PortAudio."""
+    try:
+        import sounddevice as sd
+
+        sd.query_devices(kind="input")
+        return sd
+    except Exception:  # noqa: BLE001 - OSError (no PortAudio), PortAudioError (no device), ImportError
+        return None
+
+
+def _describe(ev: dict) -> str:
+    t = ev["type"]
+    if t == "user_recognised":
+        return f"recognised {ev['name']} ({ev['user_id'][:8]}, by {ev['decided_by']}, {ev['latency_ms']} ms)"
+    if t == "memchunk_refreshed":
+        first = (ev["text"] or "(empty)").splitlines()[0]
+        return f"L{ev['level']} MemChunk refreshed in {ev['latency_ms']} ms: {first} ..."
+    if t == "retrieval":
+        return f"retrieval {ev['query']} -> {len(ev['results'])} results"
+    if t == "memory_written":
+        return f"memory job queued (chunk {ev['chunk_index']}, {ev['steps']} steps)"
+    return json.dumps({k: v for k, v in ev.items() if k != "_t"})
+
+
+async def _printer(chat: ChatSession, t0: float) -> None:
+    seen_ev, seen_text, seen_err = 0, 0, 0
+    while not chat.closed:
+        await asyncio.sleep(0.1)
+        for ev in chat.events[seen_ev:]:
+            print(f"[{time.monotonic() - t0:6.1f}s] * {_describe(ev)}", flush=True)
+        seen_ev = len(chat.events)
+        if len(chat.text) > seen_text:
+            print(f"[{time.monotonic() - t0:6.1f}s] model: {chat.text[seen_text:]!r}", flush=True)
+            seen_text = len(chat.text)
+        for e in chat.errors[seen_err:]:
+            print(f"[{time.monotonic() - t0:6.1f}s] ! {e}", flush=True)
+        seen_err = len(chat.errors)
+
+
+async def run_chat(url: str, token: str, audio: Path | None, images: list[Path], transcript: str | None,
+                   seconds: float | None, save_audio: Path | None) -> int:
+    from egomem.demo import load_voice
+
+    sd = _microphone() if audio is None else None
+    if audio is None and sd is None:
+        print("no microphone found (sounddevice/PortAudio): pass --audio FILE.wav", flush=True)
+        return 2
+    frames = [p.read_bytes() for p in images]
+    async with EgoMemClient(url, token) as client:
+        chat = await client.open_chat()
+        t0 = time.monotonic()
+        print(f"connected to {url}/api/chat; Ctrl-C to stop", flush=True)
+        printer = asyncio.create_task(_printer(chat, t0))
+        if transcript:
+            await chat.send_transcript(transcript)
+
+        async def video():
+            i = 0
+            while frames and not chat.closed:
+                await chat.send_video(frames[i % len(frames)])
+                i += 1
+                await asyncio.sleep(1.0)
+
+        vtask = asyncio.create_task(video())
+        try:
+            if audio is not None:
+                await stream_audio(chat, load_voice(audio, seconds))
+                await asyncio.sleep(1.0)
+            else:
+                await _from_microphone(sd, chat, seconds)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            pass
+        finally:
+            vtask.cancel()
+            await chat.close()
+            await asyncio.sleep(0.2)
+            printer.cancel()
+        if save_audio is not None and chat.pcm.size:
+            import soundfile as sf
+
+            sf.write(str(save_audio), chat.pcm, P.SAMPLE_RATE)
+            print(f"model audio: {save_audio} ({chat.pcm.size / P.SAMPLE_RATE:.1f} s)")
+    return 0
+
+
+async def _from_microphone(sd, chat: ChatSession, seconds: float | None) -> None:
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue[np.ndarray] = asyncio.Queue()
+
+    def callback(indata, frames, t, status):  # audio thread -> event loop
+        loop.call_soon_threadsafe(q.put_nowait, indata[:, 0].copy())
+
+    deadline = time.monotonic() + seconds if seconds else float("inf")
+    with sd.InputStream(samplerate=P.SAMPLE_RATE, channels=1, dtype="float32", blocksize=P.FRAME_SAMPLES,
+                        callback=callback):
+        while not chat.closed and time.monotonic() < deadline:
+            await chat.send_pcm(await q.get())

@@ -1,0 +1,213 @@
+"""`egomem demo`: a scripted, reproducible two-day scenario, end to end on CPU.
+
+Day 1: two people (LibriSpeech voices, face photos) meet the system, one per stream, and say who
+they are; the second names the first as a colleague. The memory worker enrols them and stores what
+they said. Day 2: each comes back with a *different* photo and recording; the polling loop
+recognises them, their profile lands in the Level-1 MemChunk; a relation query on the model's text
+channel lands the colleague's facts in the Level-2 MemChunk. Finally the first person is forgotten.
+
+The offline dialog model is random-initialised: the demo shows memory working, not eloquence. Its
+text channel never writes a `<retr>` query by itself, so the demo injects one (the
+`orchestrator.accept_model_text` switch, on only for the demo and tests). The worker cuts each
+demo stream into one session (`WholeStreamLabeler`) because the random model's token stream is not
+what the trained episodic trigger was trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from egomem.client import ChatSession, EgoMemClient, stream_audio
+from egomem.config import REPO_ROOT
+
+DEFAULT_DATA = REPO_ROOT / "tests" / "data" / "identity"  # LibriSpeech + face photos (ATTRIBUTION.md there)
+QUERY = "<retr>:\ncolleague\nwork<answer>"
+
+
+@dataclass(frozen=True)
+class Person:
+    name: str
+    voice_day1: str
+    voice_day2: str
+    face_day1: str
+    face_day2: str
+    says_day1: str
+
+
+PEOPLE = (
+    Person("Sonja", "1998-15444-0007.flac", "1998-15444-0008.flac", "img1.jpg", "img2.jpg",
+           "Hello, my name is Sonja. I live in Paris. I like tennis."),
+    Person("Filippo", "2033-164914-0004.flac", "2033-164914-0005.flac", "img3.jpg", "img12.jpg",
+           "Hi, my name is Filippo. I work as an engineer. My colleague is called Sonja."),
+)
+
+
+class WholeStreamLabeler:
+    """Episodic-trigger stand-in for the demo: a whole stream chunk is one session."""
+
+    def label(self, tokens: np.ndarray) -> np.ndarray:
+        n = int(np.shape(tokens)[0])
+        labels = np.full(n, 2, np.int64)  # in session
+        if n:
+            labels[0] = 1
+            labels[-1] = 3
+        return labels
+
+
+def load_voice(path: Path, seconds: float | None = None) -> np.ndarray:
+    """A speech file as float32 mono 24 kHz (the stream's rate)."""
+    import soundfile as sf
+    from scipy.signal import resample_poly
+
+    pcm, sr = sf.read(str(path), dtype="float32", always_2d=True)
+    pcm = pcm.mean(axis=1)
+    if sr != 24000:
+        g = np.gcd(24000, sr)
+        pcm = resample_poly(pcm, 24000 // g, sr // g).astype(np.float32)
+    return pcm[: int(seconds * 24000)] if seconds else pcm
+
+
+@dataclass
+class Timeline:
+    t0: float = field(default_factory=time.monotonic)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, day: int, who: str, what: str, **detail: Any) -> None:
+        row = {"t": round(time.monotonic() - self.t0, 2), "day": day, "who": who, "what": what, **detail}
+        self.rows.append(row)
+        extra = "  ".join(f"{k}={v}" for k, v in detail.items() if k != "text")
+        text = detail.get("text")
+        print(f"[{row['t']:7.2f}s] day {day}  {who:<8} {what:<20} {extra}", flush=True)
+        if text:
+            for line in str(text).splitlines()[:6]:
+                print(f"{'':>40}| {line}", flush=True)
+
+
+async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Timeline, seconds: float,
+                 poll_s: float, query: bool) -> ChatSession:
+    """One person's stream: video frames + real-time audio (+ their words on day 1, + a query on day 2)."""
+    face = (data / (p.face_day1 if day == 1 else p.face_day2)).read_bytes()
+    voice = load_voice(data / (p.voice_day1 if day == 1 else p.voice_day2), seconds)
+    chat = await client.open_chat()
+    chat.stream_id = (await chat.wait_event("stream_open"))["stream_id"]
+    opened = time.monotonic()
+    tl.add(day, p.name, "stream opened")
+    if day == 1:
+        await chat.send_transcript(p.says_day1)
+        tl.add(day, p.name, "says", text=p.says_day1)
+
+    async def video():
+        while not chat.closed:
+            await chat.send_video(face)
+            await asyncio.sleep(min(1.0, poll_s / 2))
+
+    video_task = asyncio.create_task(video())
+    audio_task = asyncio.create_task(stream_audio(chat, voice))
+    if day == 2:
+        ev = await chat.wait_event("user_recognised", timeout=max(60.0, 10 * poll_s))
+        tl.add(day, p.name, "recognised", as_name=ev["name"], by=ev["decided_by"], poll=ev.get("poll"),
+               after_s=round(ev["_t"] - opened, 2), latency_ms=ev["latency_ms"])
+        ref = await chat.wait_event("memchunk_refreshed", timeout=60, level=1)
+        tl.add(day, p.name, "L1 MemChunk", latency_ms=ref["latency_ms"], text=ref["text"])
+        if query:
+            n = len(chat.events)
+            await chat.send_model_text(QUERY)
+            tl.add(day, p.name, "model asks memory", text=QUERY.replace("\n", " | "))
+            r = await chat.wait_event("retrieval", timeout=60, after=n)
+            tl.add(day, p.name, "retrieval", latency_ms=r["latency_ms"], text="\n".join(r["results"]) or "(nothing)")
+            ref2 = await chat.wait_event("memchunk_refreshed", timeout=60, after=n, level=2)
+            tl.add(day, p.name, "L2 MemChunk", latency_ms=ref2["latency_ms"], text=ref2["text"])
+    await audio_task
+    video_task.cancel()
+    await chat.close()
+    tl.add(day, p.name, "stream closed", ticks_text_chars=len(chat.text))
+    return chat
+
+
+async def run_scenario(url: str, stream_token: str, admin_token: str, data: Path = DEFAULT_DATA,
+                       seconds: float = 6.0, poll_s: float = 2.0, job_timeout_s: float = 300.0) -> dict[str, Any]:
+    """The two-day scenario against a running stack; returns what happened (for the test and the plot)."""
+    tl = Timeline()
+    out: dict[str, Any] = {"timeline": tl.rows}
+    async with EgoMemClient(url, stream_token) as streamer, EgoMemClient(url, admin_token) as admin:
+        await admin.wait_ready(120)
+        for p in PEOPLE:  # day 1, one after the other: Filippo names Sonja, so she must exist first
+            chat = await _visit(streamer, p, 1, data, tl, seconds, poll_s, query=False)
+            await admin.wait_jobs_done(job_timeout_s, chat.stream_id)
+            tl.add(1, "memory", "job done", users=[u["name"] for u in await admin.users()])
+        users = {u["name"]: u["user_id"] for u in await admin.users()}
+        out["day1_users"] = sorted(users)
+        out["day1_profiles"] = {n: (await admin.user(uid))["rendered"] for n, uid in users.items()}
+        for n, text in out["day1_profiles"].items():
+            tl.add(1, "memory", f"profile of {n}", text=text)
+        out["day2"] = {}
+        for p in PEOPLE:
+            chat = await _visit(streamer, p, 2, data, tl, seconds, poll_s, query=p is PEOPLE[0])
+            out["day2"][p.name] = {
+                "recognised": [(e["name"], e["user_id"], e.get("poll")) for e in chat.find("user_recognised")],
+                "l1": [e["text"] for e in chat.find("memchunk_refreshed", level=1)],
+                "l2": [e["text"] for e in chat.find("memchunk_refreshed", level=2)],
+                "retrieval": [e["results"] for e in chat.find("retrieval")],
+            }
+            await admin.wait_jobs_done(job_timeout_s, chat.stream_id)
+        victim = users.get(PEOPLE[0].name)
+        if victim:
+            res = await admin.forget(victim)
+            tl.add(2, "admin", f"forget {PEOPLE[0].name}", leftovers=res["verified_leftovers"])
+            out["forget"] = res
+        out["after_forget_users"] = sorted(u["name"] for u in await admin.users())
+        out["user_ids"] = users
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["timeline"]
+    whos = list(dict.fromkeys(r["who"] for r in rows))
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.7 * len(whos)))
+    for i, r in enumerate(rows):
+        y = whos.index(r["who"])
+        ax.plot(r["t"], y, "o", color="C0" if r["day"] == 1 else "C1")
+        ax.annotate(r["what"], (r["t"], y), textcoords="offset points", xytext=(2, 6 + 9 * (i % 3)), fontsize=7,
+                    rotation=20)  # staggered: events of one person often land within a second
+    ax.set_yticks(range(len(whos)), whos)
+    ax.set_xlabel("seconds since the demo started (blue: day 1, orange: day 2)")
+    ax.set_title("EgoMem demo: recognition and memory (random-initialised dialog model)")
+    ax.set_ylim(-0.5, len(whos) - 0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(cfg, data: Path | None = None, out_dir: Path | None = None, seconds: float = 6.0) -> int:
+    """Start a private stack (fresh store under <run_dir>/demo), run the scenario, print and plot it."""
+    from egomem.stack import Stack
+
+    out_dir = Path(out_dir or Path(cfg.server.run_dir) / "demo")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg.memory.database = out_dir / "memory.sqlite3"
+    cfg.memory.chunk_dir = out_dir / "chunks"
+    for f in out_dir.glob("memory.sqlite3*"):
+        f.unlink()
+    cfg.orchestrator.accept_model_text = True
+    cfg.memory.extractor = "rules" if cfg.memory.extractor == "auto" else cfg.memory.extractor
+    print("EgoMem demo. The dialog model is random-initialised (offline default): this shows memory working,\n"
+          "not eloquence. The model's memory query is injected on its text channel.\n", flush=True)
+    with Stack(cfg, labeler=WholeStreamLabeler()) as stack:
+        result = asyncio.run(run_scenario(stack.url, stack.tokens["stream"], stack.tokens["admin"],
+                                          data or DEFAULT_DATA, seconds, cfg.orchestrator.poll_interval_s))
+    (out_dir / "demo_timeline.json").write_text(json.dumps(result, indent=1, default=str))
+    plot(result, out_dir / "demo_timeline.png")
+    print(f"\ntimeline: {out_dir / 'demo_timeline.json'}  plot: {out_dir / 'demo_timeline.png'}")
+    return 0

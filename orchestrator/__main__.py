@@ -1,0 +1,3 @@
+from egomem.orchestrator.app import main
+
+main()

@@ -1,0 +1,98 @@
+"""The orchestrator's aiohttp application: `init(cfg) -> web.Application`.
+
+Shared resources (the Triton client, the memory store, metrics, perception) live in one `Services`
+under the `SERVICES` AppKey, opened and closed by the `services_ctx` cleanup context. Middlewares,
+outermost first: errors, limits, auth. Routes: `/api/chat` (ws.py) and the REST API (rest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from egomem.config import Config, load_config
+from egomem.memory import open_store
+from egomem.serving.client import AsyncTritonClient
+from egomem.stack import tokens_path
+
+from .auth import TokenTable, auth_middleware
+from .metrics import Metrics
+from .middlewares import errors, limits
+from .rest import routes
+from .services import Services
+from .ws import chat
+
+log = logging.getLogger(__name__)
+SERVICES = web.AppKey("services", Services)
+CONFIG = web.AppKey("config", Config)
+METRICS = web.AppKey("metrics", Metrics)
+
+
+async def services_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    oc = cfg.orchestrator
+    store = await asyncio.to_thread(open_store, cfg.memory)
+    triton = AsyncTritonClient(f"{cfg.server.host}:{cfg.server.grpc_port}", timeout_s=oc.triton_timeout_s)
+    perception = None
+    if oc.identify_models or oc.retrieval:
+        from .perception import Perception
+
+        perception = await asyncio.to_thread(Perception, cfg, triton, store, oc.retrieval)
+    services = Services(cfg, triton, store, app[METRICS], perception)
+    app[SERVICES] = services
+    log.info("orchestrator: Triton at %s, store %s, %d stream slots", triton.url, cfg.memory.database, oc.max_streams)
+    yield
+    for stream in list(services.streams.values()):  # streams end their Triton sequences and flush memory
+        stream.stop()
+    for _ in range(100):
+        if not services.streams:
+            break
+        await asyncio.sleep(0.05)
+    if perception is not None:
+        perception.close()
+    await triton.close()
+    await asyncio.to_thread(store.close)
+
+
+async def _close_sockets(app: web.Application) -> None:
+    """On shutdown, close open chats so their handlers finish (flushing memory) before resources go."""
+    services = app.get(SERVICES)
+    if services:
+        for stream in list(services.streams.values()):
+            stream.stop()
+
+
+def init(cfg: Config | None = None) -> web.Application:
+    cfg = cfg or load_config()
+    oc = cfg.orchestrator
+    table = TokenTable.load(tokens_path(cfg), os.environ.get(oc.tokens_env))
+    metrics = Metrics()
+    middlewares = [errors, limits(oc.max_body_bytes, metrics), auth_middleware(table, oc.anonymous_chat)]
+    app = web.Application(middlewares=middlewares, client_max_size=oc.max_body_bytes)
+    app[CONFIG] = cfg
+    app[METRICS] = metrics
+    app.cleanup_ctx.append(services_ctx)
+    app.on_shutdown.append(_close_sockets)
+    app.router.add_get("/api/chat", chat)
+    app.add_routes(routes)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m egomem.orchestrator", description="Run the orchestrator alone "
+                                "(tritonserver must be up; `egomem serve` starts everything).")
+    p.add_argument("--config", help="TOML config file (default: $EGOMEM_CONFIG, else built-in defaults)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args.config)
+    web.run_app(init(cfg), host=cfg.orchestrator.host, port=cfg.orchestrator.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

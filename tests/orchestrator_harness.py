@@ -1,0 +1,100 @@
+"""Helpers for the orchestrator tests: run the real aiohttp app on a loopback port in a thread,
+and a memory worker in another, so tests drive them through `egomem.client` like any user."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+from aiohttp import web
+
+from egomem.config import Config
+from egomem.serving.launcher import free_port
+
+STREAM_TOKEN = "stream-token-0123456789abcdef"
+ADMIN_TOKEN = "admin-token-0123456789abcdef"
+FORGED_TOKEN = "forged-token-0123456789abcdef"
+
+
+def orchestrator_config(cfg: Config, run_dir: Path, grpc_url: str | None = None, **orch) -> Config:
+    """`cfg` (from conftest.test_config) with the orchestrator on a free port, tokens, and Triton at `grpc_url`."""
+    if grpc_url:
+        host, port = grpc_url.rsplit(":", 1)
+        cfg.server.host, cfg.server.grpc_port = host, int(port)
+    cfg.orchestrator.port = free_port()
+    tokens = run_dir / "tokens.json"
+    tokens.write_text(json.dumps({STREAM_TOKEN: "stream", ADMIN_TOKEN: "admin"}))
+    cfg.orchestrator.tokens_file = tokens
+    cfg.orchestrator.tokens_env = "EGOMEM_TEST_TOKENS_UNSET"
+    cfg.memory.chunk_dir = run_dir / "chunks"
+    for k, v in orch.items():
+        setattr(cfg.orchestrator, k, v)
+    return cfg
+
+
+class OrchestratorThread:
+    """The app from `egomem.orchestrator.app.init(cfg)` served on 127.0.0.1 in its own event loop."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.url = f"http://127.0.0.1:{cfg.orchestrator.port}"
+        self.app: web.Application | None = None
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from egomem.orchestrator.app import init
+
+        asyncio.set_event_loop(self._loop)
+        try:
+            self.app = init(self.cfg)
+            self._runner = web.AppRunner(self.app)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, "127.0.0.1", self.cfg.orchestrator.port)
+            self._loop.run_until_complete(site.start())
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def start(self) -> "OrchestratorThread":
+        self._thread.start()
+        self._started.wait(60)
+        if self._error:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(60)
+
+    @property
+    def services(self):
+        from egomem.orchestrator.app import SERVICES
+
+        return self.app[SERVICES]
+
+    def __enter__(self) -> "OrchestratorThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def tone(seconds: float, freq: float = 220.0, sr: int = 24000) -> np.ndarray:
+    t = np.arange(int(seconds * sr)) / sr
+    return (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
