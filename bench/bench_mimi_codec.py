@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from egomem.codec.mimi import FRAME_SAMPLES, MimiStreamPool, build_mimi
 from egomem.config import load_config
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             lat = asyncio.run(served(server.grpc_url, n, args.steps, args.warmup))
             rows.append({"streams": n, "path": "triton", **pct(lat)})
             print(f"triton     streams={n:3d}  " + _fmt(rows[-1]), flush=True)
+    torch.set_num_threads(1)  # as the launcher gives each CPU model process
     pool = MimiStreamPool(build_mimi(cfg.mimi), cfg.mimi.max_streams)
     for n in args.streams:
         lat = in_process(pool, n, args.steps, args.warmup)
