@@ -142,17 +142,22 @@ def test_doctor_cli_exit_status(tmp_path):
 # -- launcher lifecycle --------------------------------------------------------------------------
 
 
-def group_members(pgid: int) -> list[int]:
-    """PIDs whose process group is `pgid` (the server and its Python stubs)."""
-    pids = []
+def processes() -> list[tuple[int, int, int]]:
+    """(pid, parent pid, process group) of every live process, from /proc."""
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            pids.append(int(stat.parent.name))
-    return pids
+        if fields[0] != "Z":
+            out.append((int(stat.parent.name), int(fields[1]), int(fields[2])))
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs whose process group is `pgid` (the server and its Python stubs)."""
+    return [pid for pid, _, group in processes() if group == pgid]
 
 
 def test_launcher_refuses_unknown_models_before_starting(tmp_path):
@@ -195,27 +200,21 @@ def test_serve_starts_and_ctrl_c_stops_everything(tmp_path):
             assert time.monotonic() < deadline, "".join(lines)
         else:
             pytest.fail("egomem serve exited before it was ready:\n" + "".join(lines))
-        server_pids = [pid for pid in _children(proc.pid)]
-        assert server_pids, "tritonserver should be running under egomem serve"
+        server_pids = _children(proc.pid)  # tritonserver and the orchestrator process
+        assert len(server_pids) >= 2, "tritonserver and the orchestrator should run under egomem serve"
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         assert proc.wait(timeout=60) == 0
         rest = proc.stdout.read()
         assert "stopped." in rest
         time.sleep(0.5)
+        alive = {pid for pid, _, _ in processes()}
+        assert not alive & set(server_pids), "a service process outlived egomem serve"
         for pid in server_pids:
-            assert not group_members(pid), f"processes of tritonserver's group {pid} outlived egomem serve"
+            assert not group_members(pid), f"processes of the group of {pid} (e.g. Triton's stubs) outlived egomem serve"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
+    return [child for child, parent, _ in processes() if parent == pid]
