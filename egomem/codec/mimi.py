@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from egomem.config import MimiConfig
+from egomem.serving.streams import StreamError, admit
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +136,6 @@ def load_mimi_weights(model: torch.nn.Module, path: Path) -> None:
     model.load_state_dict(state, strict=True)
 
 
-class StreamError(ValueError):
-    """A request names a stream the pool cannot serve (unknown, full pool, bad data)."""
-
-
 @dataclass
 class _Stream:
     slot: int
@@ -221,16 +218,32 @@ class MimiStreamPool:
         return out
 
     # -- one step ---------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def encode(self, stream_ids: list[int], pcm: np.ndarray) -> np.ndarray:
-        """pcm float32 [N, 1920] (one 80 ms frame per stream) -> codes int64 [N, num_codebooks]."""
+    def check_pcm(self, pcm: np.ndarray, n: int) -> np.ndarray:
+        """Refuse anything but float32 [n, 1920] finite PCM (before any stream state is touched)."""
         pcm = np.asarray(pcm)
-        if pcm.ndim != 2 or pcm.shape != (len(stream_ids), FRAME_SAMPLES):
-            raise StreamError(f"expected PCM of shape [{len(stream_ids)}, {FRAME_SAMPLES}], got {list(pcm.shape)}")
+        if pcm.shape != (n, FRAME_SAMPLES):
+            raise StreamError(f"expected PCM of shape [{n}, {FRAME_SAMPLES}], got {list(pcm.shape)}")
         if pcm.dtype != np.float32:
             raise StreamError(f"expected float32 PCM in [-1, 1], got {pcm.dtype}")
         if not np.isfinite(pcm).all():
             raise StreamError("PCM contains NaN or Inf")
+        return pcm
+
+    def check_codes(self, codes: np.ndarray, n: int) -> np.ndarray:
+        """Refuse anything but integer [n, num_codebooks] codes inside the codebook."""
+        codes = np.asarray(codes)
+        if codes.shape != (n, self.num_codebooks):
+            raise StreamError(f"expected codes of shape [{n}, {self.num_codebooks}], got {list(codes.shape)}")
+        if not np.issubdtype(codes.dtype, np.integer):
+            raise StreamError(f"expected integer codes, got {codes.dtype}")
+        if codes.size and (codes.min() < 0 or codes.max() >= CARDINALITY):
+            raise StreamError(f"codes must lie in [0, {CARDINALITY}), got [{codes.min()}, {codes.max()}]")
+        return codes
+
+    @torch.inference_mode()
+    def encode(self, stream_ids: list[int], pcm: np.ndarray) -> np.ndarray:
+        """pcm float32 [N, 1920] (one 80 ms frame per stream) -> codes int64 [N, num_codebooks]."""
+        pcm = self.check_pcm(pcm, len(stream_ids))
         with self._lock:
             slots = self._slots(stream_ids)
             x = torch.zeros(self.max_streams, 1, FRAME_SAMPLES, device=self.device)  # [B, C=1, T]
@@ -242,15 +255,7 @@ class MimiStreamPool:
     @torch.inference_mode()
     def decode(self, stream_ids: list[int], codes: np.ndarray) -> np.ndarray:
         """codes int64 [N, num_codebooks] -> pcm float32 [N, 1920]."""
-        codes = np.asarray(codes)
-        if codes.ndim != 2 or codes.shape != (len(stream_ids), self.num_codebooks):
-            raise StreamError(
-                f"expected codes of shape [{len(stream_ids)}, {self.num_codebooks}], got {list(codes.shape)}"
-            )
-        if not np.issubdtype(codes.dtype, np.integer):
-            raise StreamError(f"expected integer codes, got {codes.dtype}")
-        if codes.size and (codes.min() < 0 or codes.max() >= CARDINALITY):
-            raise StreamError(f"codes must lie in [0, {CARDINALITY}), got [{codes.min()}, {codes.max()}]")
+        codes = self.check_codes(codes, len(stream_ids))
         with self._lock:
             slots = self._slots(stream_ids)
             c = torch.zeros(self.max_streams, self.num_codebooks, 1, dtype=torch.long, device=self.device)
@@ -283,49 +288,32 @@ class CodecResult:
 
 
 def serve_codec_batch(pool: MimiStreamPool, requests: list[CodecRequest]) -> list[CodecResult | StreamError]:
-    """Run one Triton batch: per-request validation, then ONE batched encode and ONE batched decode
-    over all valid requests. A bad request gets its own error; the others are served."""
-    results: list[CodecResult | StreamError] = [CodecResult() for _ in requests]
-    for i, r in enumerate(requests):
+    """Run one Triton batch: validate each request on its own, then ONE batched encode and ONE batched
+    decode over the valid ones. A bad request gets its own error; the others are served."""
+    results: list[CodecResult | StreamError] = []
+    for r in requests:
         try:
-            if r.start:
-                pool.open(r.stream)
-            elif not pool.is_open(r.stream):
-                raise StreamError(f"unknown stream {r.stream}: open it with a sequence START (or it idled out)")
+            admit(pool, r.stream, r.start)
             if r.pcm is None and r.codes is None:
                 raise StreamError("request carries neither PCM nor CODES_IN")
-            if r.pcm is not None and r.pcm.shape != (FRAME_SAMPLES,):
-                raise StreamError(f"PCM must be one frame of {FRAME_SAMPLES} samples, got shape {list(r.pcm.shape)}")
-            if r.codes is not None and r.codes.shape != (pool.num_codebooks,):
-                raise StreamError(f"CODES_IN must hold {pool.num_codebooks} codes, got shape {list(r.codes.shape)}")
+            if r.pcm is not None:
+                pool.check_pcm(r.pcm[None], 1)
+            if r.codes is not None:
+                pool.check_codes(r.codes[None], 1)
+            results.append(CodecResult())
         except StreamError as e:
-            results[i] = e
+            results.append(e)
     ok = [i for i, res in enumerate(results) if isinstance(res, CodecResult)]
-    for kind in ("pcm", "codes"):
-        idx = [i for i in ok if getattr(requests[i], kind) is not None]
-        if not idx:
-            continue
-        streams = [requests[i].stream for i in idx]
-        data = np.stack([getattr(requests[i], kind) for i in idx])
-        try:
-            out = pool.encode(streams, data) if kind == "pcm" else pool.decode(streams, data)
-        except StreamError:
-            # One bad row (e.g. NaN, out-of-range code) must not fail the others: retry one by one.
-            out = None
-        for j, i in enumerate(idx):
-            try:
-                row = out[j] if out is not None else (
-                    pool.encode([streams[j]], data[j:j + 1]) if kind == "pcm" else pool.decode([streams[j]], data[j:j + 1])
-                )[0]
-            except StreamError as e:
-                results[i] = e
-                continue
-            res = results[i]
-            if isinstance(res, CodecResult):
-                if kind == "pcm":
-                    res.codes = row
-                else:
-                    res.pcm = row
+    enc = [i for i in ok if requests[i].pcm is not None]
+    if enc:
+        codes = pool.encode([requests[i].stream for i in enc], np.stack([requests[i].pcm for i in enc]))
+        for j, i in enumerate(enc):
+            results[i].codes = codes[j]  # type: ignore[union-attr]
+    dec = [i for i in ok if requests[i].codes is not None]
+    if dec:
+        pcm = pool.decode([requests[i].stream for i in dec], np.stack([requests[i].codes for i in dec]))
+        for j, i in enumerate(dec):
+            results[i].pcm = pcm[j]  # type: ignore[union-attr]
     for r in requests:
         if r.end:
             pool.close(r.stream)

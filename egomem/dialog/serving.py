@@ -18,15 +18,13 @@ import torch
 
 from egomem.config import DialogConfig
 
+from egomem.serving.streams import StreamError, admit
+
 from .checkpoint import DTYPES, build_lm
 from .engine import DialogEngine, NoFreeSlotError
 from .tokenizer import TextTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class StreamError(ValueError):
-    """A request the pool cannot serve (unknown stream, full pool, bad data); only that request fails."""
 
 
 @dataclass
@@ -131,10 +129,7 @@ class DialogStreamPool:
             card = self.engine.lm.card
             for i, r in enumerate(requests):
                 try:
-                    if r.start:
-                        self.open(r.stream)
-                    elif not self.is_open(r.stream):
-                        raise StreamError(f"unknown stream {r.stream}: open it with a sequence START (or it idled out)")
+                    admit(self, r.stream, r.start)
                     self._last_used[r.stream] = time.monotonic()
                     if r.listen is None or np.asarray(r.listen).shape != (n_listen,):
                         shape = None if r.listen is None else list(np.asarray(r.listen).shape)

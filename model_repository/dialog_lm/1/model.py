@@ -4,7 +4,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from egomem.config import load_config
-from egomem.dialog.serving import DialogRequest, DialogStreamPool, StreamError, build_engine
+from egomem.dialog.serving import DialogRequest, DialogStreamPool, build_engine
+from egomem.serving.streams import StreamError
 from egomem.serving.adapter import check_model_config, optional_input, sequence_flags
 
 INPUTS = {"LISTEN_CODES": "TYPE_INT64", "MEMCHUNK_LEVEL": "TYPE_INT32", "MEMCHUNK_TOKENS": "TYPE_INT64",

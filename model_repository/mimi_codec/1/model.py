@@ -2,7 +2,8 @@
 
 import triton_python_backend_utils as pb_utils
 
-from egomem.codec.mimi import CodecRequest, MimiStreamPool, StreamError, build_mimi, serve_codec_batch
+from egomem.codec.mimi import CodecRequest, MimiStreamPool, build_mimi, serve_codec_batch
+from egomem.serving.streams import StreamError
 from egomem.config import load_config
 from egomem.serving.adapter import check_model_config, optional_input, sequence_flags
 
