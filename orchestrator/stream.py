@@ -119,10 +119,20 @@ class Stream:
         self._refreshes.append(Refresh(level, text, user_id, time.monotonic()))
 
     def forget_user(self, user_id: str) -> None:
-        """The user was forgotten: stop personalising for them now."""
+        """The user was forgotten: stop personalising for them now. Another user's stream reloads its
+        profile, which forget may have redacted (the person's name, the relation to them); the new L1
+        also clears an L2 that may hold the forgotten person's facts."""
         if self.user_id == user_id:
             self.user_id = None
             self.request_refresh(1, "", None)
+        elif self.user_id is not None and self.s.perception is not None:
+            self._tasks.append(asyncio.create_task(self._reload_profile(self.user_id)))
+
+    async def _reload_profile(self, user_id: str) -> None:
+        text = await asyncio.to_thread(self.s.perception.profile_text, user_id,  # type: ignore[union-attr]
+                                       self.cfg.memory.profile_max_chars)
+        if self.user_id == user_id:  # still the same person in front of the camera
+            self.request_refresh(1, _fit(text, self.cfg.dialog.l1_steps), user_id)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def run(self) -> None:

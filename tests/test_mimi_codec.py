@@ -46,9 +46,21 @@ def test_random_init_is_seeded_and_codes_vary(pool):
     assert a.min() >= 0 and a.max() < CARDINALITY
 
 
+def agreement(a: np.ndarray, b: np.ndarray) -> float:
+    """Share of equal codes. Rows run in batches of different sizes round differently (BLAS picks its
+    kernel by shape), and a latent on the edge between two centroids then flips its code; a state or
+    input mix-up instead makes the codes unrelated (agreement ~ 1/2048)."""
+    return float((np.asarray(a) == np.asarray(b)).mean())
+
+
 def test_streams_are_isolated_in_process(pool):
+    """A stream's codes do not depend on its neighbours' audio or on them opening mid-way (exactly:
+    both runs of each stream run at the same row count, with the neighbour's row masked out)."""
     x0, x1 = frames(1), frames(2)
-    alone0, alone1 = run_alone(pool, 10, x0), run_alone(pool, 11, x1)
+    alone0 = run_alone(pool, 10, x0)  # slot 0
+    pool.open(12)  # an idle stream holds slot 0, so stream 11 runs alone at slot 1
+    alone1 = run_alone(pool, 11, x1)
+    pool.close(12)
     pool.open(10)
     inter0 = [pool.encode([10], x0[0:1])[0]]
     pool.open(11)  # opening a stream mid-way must not disturb stream 10
@@ -63,14 +75,39 @@ def test_streams_are_isolated_in_process(pool):
     pool.close(10)
 
 
-def test_batched_call_equals_single_calls(pool):
-    x0, x1 = frames(3), frames(4)
-    alone0, alone1 = run_alone(pool, 20, x0), run_alone(pool, 21, x1)
-    pool.open(20), pool.open(21)
-    both = np.stack([pool.encode([21, 20], np.stack([x1[i], x0[i]])) for i in range(STEPS)])  # [T, 2, 8]
-    np.testing.assert_array_equal(both[:, 1], alone0)
-    np.testing.assert_array_equal(both[:, 0], alone1)
-    pool.close(20), pool.close(21)
+def test_batched_call_is_isolated_and_matches_single_calls(pool):
+    x0, x1, other = frames(3), frames(4), frames(5)
+
+    def batched(x_neighbour: np.ndarray) -> np.ndarray:
+        pool.open(20), pool.open(21)
+        out = np.stack([pool.encode([21, 20], np.stack([x_neighbour[i], x0[i]])) for i in range(STEPS)])  # [T, 2, 8]
+        pool.close(20), pool.close(21)
+        return out
+
+    both, both_other = batched(x1), batched(other)
+    np.testing.assert_array_equal(both[:, 1], both_other[:, 1])  # stream 20 never hears its neighbour
+    assert agreement(both[:, 0], both_other[:, 0]) < 0.2  # ... while the neighbour's codes did change
+    assert agreement(both[:, 1], run_alone(pool, 20, x0)) >= 0.9  # a batch row is the single call's function
+    assert agreement(both[:, 0], run_alone(pool, 21, x1)) >= 0.9
+
+
+def test_rows_run_follow_the_open_streams(pool):
+    """On CPU a call runs rows 0..max(slot) only, and slots go out lowest first (cost follows load)."""
+    seen: list[int] = []
+    real = pool.model.encode
+    pool.model.encode = lambda x: (seen.append(x.shape[0]), real(x))[1]
+    try:
+        pool.open(60), pool.open(61), pool.open(62)  # slots 0, 1, 2
+        pool.encode([60], frames(0, 1))
+        pool.encode([62], frames(0, 1))
+        pool.close(61)
+        pool.open(63)  # takes the freed slot 1, not slot 3
+        pool.encode([63], frames(0, 1))
+    finally:
+        pool.model.encode = real
+        for s in (60, 62, 63):
+            pool.close(s)
+    assert seen == [1, 3, 2]
 
 
 def test_decode_shape_and_pool_limits(pool):
@@ -124,7 +161,7 @@ def test_served_codes_shape_range_and_determinism(codec, pool):
     served = np.stack([encode(codec, 501, f, start=(i == 0), end=(i == STEPS - 1)) for i, f in enumerate(x)])
     assert served.shape == (STEPS, 8) and served.dtype == np.int64
     assert served.min() >= 0 and served.max() < CARDINALITY
-    np.testing.assert_array_equal(served, run_alone(pool, 50, x))  # same codec in and out of Triton
+    assert agreement(served, run_alone(pool, 50, x)) >= 0.9  # same codec in and out of Triton
 
 
 def test_served_streams_are_isolated(codec):
@@ -136,8 +173,11 @@ def test_served_streams_are_isolated(codec):
         last = i == STEPS - 1
         inter0.append(encode(codec, 603, x0[i], start=(i == 0), end=last))
         inter1.append(encode(codec, 604, x1[i], start=(i == 0), end=last))
-    np.testing.assert_array_equal(np.stack(inter0), alone0)
-    np.testing.assert_array_equal(np.stack(inter1), alone1)
+    # the server may batch the two streams' requests: rows differ from the lone runs, so rounding may
+    # flip a code; a mix-up of the two streams' states would make them unrelated.
+    assert agreement(np.stack(inter0), alone0) >= 0.9
+    assert agreement(np.stack(inter1), alone1) >= 0.9
+    assert agreement(np.stack(inter0), np.stack(inter1)) < 0.2
 
 
 def test_served_decode_round_trip(codec):

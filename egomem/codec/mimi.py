@@ -10,17 +10,22 @@ builds it (the Triton model, the trigger's data builder, tests) produces the sam
 
 `MimiStreamPool` holds many concurrent streams in one batched streaming state: each stream owns a
 row (slot); a call executes only the rows it names (moshi's per-row `exec_mask`), so streams never
-see each other's state, and opening/closing a stream resets only its own row.
+see each other's state, and opening/closing a stream resets only its own row. On CPU a call runs
+the model on the first `max(slot) + 1` rows only (views of the full state, `_row_prefix`), and
+slots are handed out lowest first, so a step costs what the open streams need, not `max_streams`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import heapq
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -155,10 +160,15 @@ class MimiStreamPool:
         self.device = next(model.parameters()).device
         self.num_codebooks = model.num_codebooks
         self._streams: dict[int, _Stream] = {}
-        self._free = list(range(max_streams - 1, -1, -1))  # pop() hands out low slots first
+        self._free = list(range(max_streams))  # a min-heap: the lowest free slot goes out first
         self._lock = threading.Lock()
         with torch.inference_mode():  # state tensors are inference tensors: create and update them in it
             model.streaming_forever(max_streams)
+        self._full_states = _streaming_states(model)
+        # CUDA graphs are captured for the full batch, and a GPU step costs about the same at any
+        # batch size: there every call runs all rows. On CPU cost grows with the rows run.
+        self._narrow = self.device.type == "cpu"
+        self._prefix_states: dict[int, list[tuple[object, Bound]]] = {}  # rows -> narrowed states, made once
 
     # -- stream lifecycle -------------------------------------------------------------------------
     def open(self, stream_id: int) -> int:
@@ -173,7 +183,7 @@ class MimiStreamPool:
                         f"no free stream slot: all {self.max_streams} Mimi streams are open "
                         f"(raise mimi.max_streams or close idle streams)"
                     )
-                slot = self._free.pop()
+                slot = heapq.heappop(self._free)
             self._streams[stream_id] = _Stream(slot, time.monotonic())
             self._reset_rows([slot])
             return slot
@@ -182,7 +192,7 @@ class MimiStreamPool:
         with self._lock:
             s = self._streams.pop(stream_id, None)
             if s is not None:
-                self._free.append(s.slot)
+                heapq.heappush(self._free, s.slot)
 
     def is_open(self, stream_id: int) -> bool:
         return stream_id in self._streams
@@ -197,7 +207,7 @@ class MimiStreamPool:
             if now - s.last_used > self.ttl_s:
                 log.info("Mimi: reclaiming stream %d idle for %.0f s", sid, now - s.last_used)
                 del self._streams[sid]
-                self._free.append(s.slot)
+                heapq.heappush(self._free, s.slot)
 
     @torch.inference_mode()
     def _reset_rows(self, slots: list[int]) -> None:
@@ -246,10 +256,10 @@ class MimiStreamPool:
         pcm = self.check_pcm(pcm, len(stream_ids))
         with self._lock:
             slots = self._slots(stream_ids)
-            x = torch.zeros(self.max_streams, 1, FRAME_SAMPLES, device=self.device)  # [B, C=1, T]
-            x[slots, 0] = torch.from_numpy(pcm).to(self.device)
-            self._set_exec(slots)
-            codes = self.model.encode(x)  # [B, K, 1]
+            with self._row_prefix(slots) as rows:
+                x = torch.zeros(rows, 1, FRAME_SAMPLES, device=self.device)  # [rows, C=1, T]
+                x[slots, 0] = torch.from_numpy(pcm).to(self.device)
+                codes = self.model.encode(x)  # [rows, K, 1]
             return codes[slots, :, 0].to(torch.int64).cpu().numpy()
 
     @torch.inference_mode()
@@ -258,16 +268,82 @@ class MimiStreamPool:
         codes = self.check_codes(codes, len(stream_ids))
         with self._lock:
             slots = self._slots(stream_ids)
-            c = torch.zeros(self.max_streams, self.num_codebooks, 1, dtype=torch.long, device=self.device)
-            c[slots, :, 0] = torch.from_numpy(codes.astype(np.int64)).to(self.device)
-            self._set_exec(slots)
-            pcm = self.model.decode(c)  # [B, 1, 1920]
+            with self._row_prefix(slots) as rows:
+                c = torch.zeros(rows, self.num_codebooks, 1, dtype=torch.long, device=self.device)
+                c[slots, :, 0] = torch.from_numpy(codes.astype(np.int64)).to(self.device)
+                pcm = self.model.decode(c)  # [rows, 1, 1920]
             return pcm[slots, 0].float().cpu().numpy()
 
-    def _set_exec(self, slots: list[int]) -> None:
-        mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
-        mask[slots] = True
-        self.model.set_exec_mask(mask)
+    @contextlib.contextmanager
+    def _row_prefix(self, slots: list[int]) -> Iterator[int]:
+        """Run the model on rows [0, max(slots)] only (CPU) with exactly `slots` executing; yields
+        the number of rows. The narrowed states are views, so every update lands in the full state."""
+        rows = max(slots) + 1 if self._narrow else self.max_streams
+        if rows < self.max_streams:
+            views = self._prefix_states.get(rows)
+            if views is None:
+                views = self._prefix_states[rows] = [_narrow_state(st, rows) for _, st in self._full_states]
+            for (module, _), (view, _bound) in zip(self._full_states, views):
+                module._streaming_state = view
+        try:
+            mask = torch.zeros(rows, dtype=torch.bool, device=self.device)
+            mask[slots] = True
+            self.model.set_exec_mask(mask)
+            yield rows
+        finally:
+            if rows < self.max_streams:
+                for (module, full), (_view, bound) in zip(self._full_states, views):
+                    _write_back(bound)
+                    module._streaming_state = full
+
+
+def _streaming_states(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    """(module, its streaming state) for every moshi StreamingModule in `model` that holds one."""
+    from moshi.modules.streaming import StreamingModule
+
+    return [(m, m._streaming_state) for m in model.modules()
+            if isinstance(m, StreamingModule) and m._streaming_state is not None]
+
+
+Bound = list[tuple[object, str, torch.Tensor]]  # (holder, field, the row view it must keep pointing at)
+
+
+def _narrow_state(state: object, rows: int) -> tuple[object, Bound]:
+    """A shallow copy of a moshi streaming `State` whose per-row tensors are views of the first `rows`
+    rows. moshi updates most state tensors in place (`t[:] = ...`, `scatter_`), so those writes reach
+    the full state; a field it reassigns instead (a replicate-padded conv's `first`) is copied back by
+    `_write_back`. The per-row batch is dim 0 everywhere except RingKVCache's cache [2, B, H, T, D]."""
+    from moshi.modules.transformer import RingKVCache
+
+    full_rows = state.batch_size  # type: ignore[attr-defined]
+    view = copy.copy(state)
+    bound: Bound = []
+
+    def bind(holder: object, name: str, tensor: torch.Tensor) -> None:
+        setattr(holder, name, tensor)
+        bound.append((holder, name, tensor))
+
+    for name, value in vars(state).items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == full_rows:
+            bind(view, name, value[:rows])
+        elif isinstance(value, RingKVCache):
+            kv = copy.copy(value)
+            bind(kv, "cache", value.cache[:, :rows])  # [2, rows, H, T, D]
+            if value.end_offset.shape[0] == full_rows:
+                bind(kv, "end_offset", value.end_offset[:rows])
+            setattr(view, name, kv)
+    view.batch_size = rows  # type: ignore[attr-defined]
+    view._set_exec_mask_graphed = None  # type: ignore[attr-defined]  # CPU only: never a CUDA graph
+    return view, bound
+
+
+def _write_back(bound: Bound) -> None:
+    """Copy fields the step reassigned (instead of updating in place) into the full state's rows."""
+    for holder, name, tensor in bound:
+        current = getattr(holder, name)
+        if current is not tensor:
+            tensor.copy_(current)
+            setattr(holder, name, tensor)
 
 
 @dataclass
