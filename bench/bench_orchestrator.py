@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -98,6 +99,65 @@ async def server_ticks(url: str, admin_token: str) -> tuple[float, float]:
         text = await c.metrics()
     vals = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("egomem_tick_seconds_"))
     return float(vals["egomem_tick_seconds_sum"]), float(vals["egomem_tick_seconds_count"])
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of one process, from /proc (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def cpu_by_part(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of: this load generator, the orchestrator, tritonserver, each model process."""
+    out = {"load_generator": _cpu_seconds(os.getpid())}
+    if stack.orchestrator is not None:
+        out["orchestrator"] = _cpu_seconds(stack.orchestrator.pid)
+    tpid = stack.triton.proc.pid if stack.triton.proc is not None else None
+    if tpid is not None:
+        out["tritonserver"] = _cpu_seconds(tpid)
+        for child in _children(tpid):  # python backend stubs: argv names the model
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            name = next((Path(a.decode()).parts[-3] for a in argv if a.endswith(b"/model.py")), f"pid{child}")
+            out[f"stub:{name}"] = out.get(f"stub:{name}", 0.0) + _cpu_seconds(child)
+    return out
+
+
+def triton_stats(http_url: str, models: list[str]) -> dict[str, dict[str, float]]:
+    """Per model: requests, executions (batches) and summed queue / compute times from Triton's statistics."""
+    import urllib.request
+
+    out = {}
+    for m in models:
+        with urllib.request.urlopen(f"{http_url}/v2/models/{m}/stats", timeout=10) as r:
+            st = json.load(r)["model_stats"][0]
+        inf = st["inference_stats"]
+        out[m] = {"requests": st["inference_count"], "executions": st["execution_count"],
+                  "queue_s": inf["queue"]["ns"] / 1e9, "compute_s": inf["compute_infer"]["ns"] / 1e9}
+    return out
+
+
+def stats_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Per model: mean batch size, and mean queue / compute ms per execution, over one run."""
+    out = {}
+    for m in after:
+        d = {k: after[m][k] - before[m][k] for k in after[m]}
+        ex = max(d["executions"], 1)
+        out[m] = {"mean_batch": round(d["requests"] / ex, 2), "queue_ms_per_request": round(1e3 * d["queue_s"] / max(d["requests"], 1), 2),
+                  "compute_ms_per_batch": round(1e3 * d["compute_s"] / ex, 2), "batches": int(d["executions"])}
+    return out
 
 
 async def served(url: str, token: str, n: int, seconds: float, warmup_s: float, admin_token: str) -> dict:
@@ -219,8 +279,15 @@ def main() -> None:
     with Stack(cfg, models=["mimi_codec", "dialog_lm"], worker=False) as stack:
         for n in args.streams:
             asyncio.run(wait_idle(stack.url, stack.tokens["admin"]))
+            models = ["mimi_codec", "dialog_lm"]
+            cpu0, st0 = cpu_by_part(stack), triton_stats(stack.triton.http_url, models)
             r = asyncio.run(served(stack.url, stack.tokens["stream"], n, args.seconds, args.warmup_s,
                                    stack.tokens["admin"]))
+            cpu1, st1 = cpu_by_part(stack), triton_stats(stack.triton.http_url, models)
+            ticks = max(r["frames_expected"] + n * int(args.warmup_s / P.TICK_S), 1)  # stream-ticks of the run
+            # CPU ms per tick of the 12.5 Hz grid (all streams together); 2 cores = 160 ms per tick at most
+            r["cpu_ms_per_tick"] = {k: round(1e3 * (cpu1[k] - cpu0.get(k, 0.0)) / (ticks / n), 1) for k in cpu1}
+            r["triton"] = stats_delta(st0, st1)
             print(f"served     N={n:3d}  {r}", flush=True)
             result["served"].append(r)
     for n in args.streams:

@@ -1,21 +1,26 @@
 """`egomem chat`: a terminal client for `/api/chat` that shows recognition and memory events.
 
-Audio: the microphone when `sounddevice` finds one (PortAudio present), else a speech file
-(`--audio`, any format soundfile reads; resampled to 24 kHz) streamed in real time. Video: one or
-more image files (`--image`, JPEG/PNG) sent once a second in turn. The model's voice is written to
-`--save-audio` (WAV) when given; its text channel and every event are printed as they arrive.
+Audio: a speech file (`--audio`, any format soundfile reads; resampled to 24 kHz) streamed in real
+time, else the audio track of `--video`, else the microphone when `sounddevice` finds one
+(PortAudio present). Camera: one or more image files (`--image`, JPEG/PNG) sent once a second in
+turn, or a video file (`--video`, anything FFmpeg decodes) whose frames go out in real time at
+`--fps` (egomem.video), scaled to the server's frame limits. A bad video file is reported before
+the chat opens. The model's voice is written to `--save-audio` (WAV) when given; its text channel
+and every event are printed as they arrive.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from egomem import protocol as P
+from egomem import video as vid
 from egomem.client import ChatSession, EgoMemClient, stream_audio
 
 
@@ -60,12 +65,28 @@ async def _printer(chat: ChatSession, t0: float) -> None:
 
 
 async def run_chat(url: str, token: str, audio: Path | None, images: list[Path], transcript: str | None,
-                   seconds: float | None, save_audio: Path | None) -> int:
+                   seconds: float | None, save_audio: Path | None, video: Path | None = None, fps: float = 1.0,
+                   max_side: int = vid.DEFAULT_MAX_SIDE, max_pixels: int = 40_000_000,
+                   max_frame_bytes: int = 2_000_000) -> int:
+    """Run one chat until the audio ends (or `seconds`, or Ctrl-C); 2 when the inputs are unusable."""
     from egomem.demo import load_voice
 
-    sd = _microphone() if audio is None else None
-    if audio is None and sd is None:
-        print("no microphone found (sounddevice/PortAudio): pass --audio FILE.wav", flush=True)
+    pcm = load_voice(audio, seconds) if audio is not None else None
+    if video is not None:
+        try:  # every check before the chat opens: a bad file must not cost a stream slot
+            info = await asyncio.to_thread(vid.probe, video)
+            if pcm is None and info.has_audio:
+                pcm = await asyncio.to_thread(vid.audio, video, seconds)
+        except vid.VideoError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
+        source = audio or (f"{video}'s audio track" if info.has_audio else "the microphone")
+        print(f"video {video}: {info.width}x{info.height}, {info.duration_s or 0:.1f} s, sent at {fps:g} frames/s; "
+              f"audio from {source}", flush=True)
+    sd = _microphone() if pcm is None else None
+    if pcm is None and sd is None:
+        print("no microphone found (sounddevice/PortAudio): pass --audio FILE.wav (or a --video with sound)",
+              flush=True)
         return 2
     frames = [p.read_bytes() for p in images]
     async with EgoMemClient(url, token) as client:
@@ -76,17 +97,33 @@ async def run_chat(url: str, token: str, audio: Path | None, images: list[Path],
         if transcript:
             await chat.send_transcript(transcript)
 
-        async def video():
+        async def send_images():
             i = 0
             while frames and not chat.closed:
                 await chat.send_video(frames[i % len(frames)])
                 i += 1
                 await asyncio.sleep(1.0)
 
-        vtask = asyncio.create_task(video())
+        async def send_video_file():
+            """Frames at their own time in the video, so they stay in step with its audio."""
+            it = vid.frames(video, fps, max_side, max_pixels, max_frame_bytes, seconds)
+            try:
+                while not chat.closed:
+                    item = await asyncio.to_thread(next, it, None)  # decoding runs off the event loop
+                    if item is None:
+                        return
+                    t, jpeg = item
+                    delay = t0 + t - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    await chat.send_video(jpeg)
+            except vid.VideoError as e:
+                print(f"[{time.monotonic() - t0:6.1f}s] ! video stopped: {e}", flush=True)
+
+        vtask = asyncio.create_task(send_video_file() if video is not None else send_images())
         try:
-            if audio is not None:
-                await stream_audio(chat, load_voice(audio, seconds))
+            if pcm is not None:
+                await stream_audio(chat, pcm)
                 await asyncio.sleep(1.0)
             else:
                 await _from_microphone(sd, chat, seconds)

@@ -43,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """Talk to a running `egomem serve`: microphone (or --audio FILE) and --image files in, events out."""
+    """Talk to a running `egomem serve`: microphone (or --audio FILE) and --image or --video files in, events out."""
     import asyncio
     from pathlib import Path
 
@@ -61,9 +61,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 2
         token = next(t for t, scope in json.loads(path.read_text()).items() if scope in ("stream", "admin"))
     url = args.url or f"http://{cfg.orchestrator.host}:{cfg.orchestrator.port}"
+    if args.fps <= 0:
+        print(f"--fps {args.fps}: must be > 0", file=sys.stderr)
+        return 2
     return asyncio.run(run_chat(url, token, Path(args.audio) if args.audio else None,
                                 [Path(p) for p in args.image], args.say, args.seconds,
-                                Path(args.save_audio) if args.save_audio else None))
+                                Path(args.save_audio) if args.save_audio else None,
+                                video=Path(args.video) if args.video else None, fps=args.fps,
+                                max_pixels=cfg.identity.max_image_pixels,
+                                max_frame_bytes=cfg.orchestrator.max_message_bytes - 1))  # 1 byte: message kind
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -109,7 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="orchestrator base URL (default: from [orchestrator] host/port)")
     p.add_argument("--token", help="bearer token (default: the first one in the tokens file `serve` wrote)")
     p.add_argument("--audio", metavar="FILE", help="speech file to stream in real time (default: the microphone)")
-    p.add_argument("--image", metavar="FILE", action="append", default=[], help="camera frame (JPEG/PNG); repeatable")
+    camera = p.add_mutually_exclusive_group()
+    camera.add_argument("--image", metavar="FILE", action="append", default=[],
+                        help="camera frame (JPEG/PNG); repeatable, sent once a second in turn")
+    camera.add_argument("--video", metavar="FILE",
+                        help="video file (mp4/webm/mkv/avi/...): its frames in real time; its audio when no --audio")
+    p.add_argument("--fps", type=float, default=1.0,
+                   help="frames per second taken from --video (default 1; the server identifies every 2 s)")
     p.add_argument("--say", metavar="TEXT", help="what the user says, as a transcript line (no ASR on the client)")
     p.add_argument("--seconds", type=float, help="stop after this many seconds of audio")
     p.add_argument("--save-audio", metavar="WAV", help="write the model's voice here")

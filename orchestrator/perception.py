@@ -110,6 +110,13 @@ class Perception:
             self._sync_index()
             return self.identifier.identify(face_vecs, voice_vec, speaker=max(speaker, 0))
 
+    def forget(self) -> None:
+        """A user was forgotten: rebuild the key index at the next identification (even if the store's
+        generation were unchanged) and drop the retrieval caches, which hold memory texts."""
+        with self._lock:
+            self._generation = None
+            self.retriever.clear()
+
     def user_name(self, user_id: str) -> str:
         u = self.store.resolve_user(user_id)
         return u.name if u else "?"

@@ -139,13 +139,16 @@ async def merge_user(request: web.Request) -> web.Response:
 
 @routes.delete("/api/users/{user_id}")
 async def forget_user(request: web.Request) -> web.Response:
-    """Forget: keys, memories, relations, sessions, transcripts; live streams stop using the user at once."""
+    """Forget: keys, memories, relations, sessions, transcripts, and the name wherever others' memories
+    mention it; live streams stop using the user at once and reload others' (redacted) profiles."""
     s = _s(request)
     user = await _user(request)
     receipt = await _run(s.store.forget_user, user.user_id, ADMIN, request.query.get("reason", ""))
+    if s.perception is not None:
+        s.perception.forget()
     for stream in list(s.streams.values()):
         stream.forget_user(user.user_id)
-    leftovers = await _run(s.store.verify_forgotten, user.user_id)
+    leftovers = await _run(s.store.verify_forgotten, user.user_id, (), user.name)
     return _json({"receipt": receipt, "verified_leftovers": leftovers})
 
 

@@ -2,10 +2,13 @@
 
 Dialog tick (every 80 ms on the stream's own clock, DESIGN.md §8):
   1. take 1920 samples of client audio; none ready -> silence is fed (a late frame), the model keeps talking;
-  2. `mimi_codec`: encode this frame AND decode the previous tick's speak codes in ONE request;
-  3. `dialog_lm`: listen codes in (+ a pending MemChunk refresh) -> text token + speak codes out;
+  2. `mimi_codec`: encode this frame -> listen codes;
+  3. at once, side by side: `dialog_lm` (listen codes in, + a pending MemChunk refresh -> text token +
+     speak codes out) and `mimi_codec` decoding the PREVIOUS tick's speak codes. The two run in
+     different model processes, so the decode costs no tick time while a core is free;
   4. the decoded audio goes out as Opus (0x01), the text piece as 0x02; everything is recorded.
-Two Triton round trips per tick; the model's voice leaves one tick (80 ms) after it was generated.
+The critical path is two Triton round trips (encode, then dialog); the model's voice leaves one tick
+(80 ms) after it was generated.
 The handshake (0x00) is sent after the first tick, once both models hold the stream, so a client
 that gets it has a slot; otherwise it gets a close with the reason (1013 no free slot, 1011 down).
 
@@ -266,19 +269,22 @@ class Stream:
         if not fresh:
             self.s.metrics.inc("egomem_late_frames_total")
         start = self.ticks == 0
-        inputs = {"PCM": pcm[None]}  # [1, 1920]
-        outputs = ["CODES"]
-        if self._speak_pending is not None:
-            inputs["CODES_IN"] = self._speak_pending[None]  # [1, 8]
-            outputs.append("AUDIO")
-        r = await self._infer("mimi_codec", inputs, outputs, start)
+        r = await self._infer("mimi_codec", {"PCM": pcm[None]}, ["CODES"], start)  # [1, 1920] -> [1, 8]
         listen = r["CODES"].reshape(-1).astype(np.int64)  # [8]
         d_in: dict[str, np.ndarray] = {"LISTEN_CODES": listen[None]}
         refresh = self._refreshes.popleft() if self._refreshes else None
         if refresh is not None:
             d_in["MEMCHUNK_LEVEL"] = np.array([[refresh.level]], np.int32)
             d_in["MEMCHUNK_TEXT"] = np.array([[refresh.text.encode("utf-8")]], dtype=np.object_)
-        d = await self._infer("dialog_lm", d_in, ["TEXT_TOKEN", "SPEAK_CODES", "TEXT_PIECE"], start)
+        calls = [self._infer("dialog_lm", d_in, ["TEXT_TOKEN", "SPEAK_CODES", "TEXT_PIECE"], start)]
+        if self._speak_pending is not None:  # the previous tick's voice, decoded beside this dialog step
+            calls.append(self._infer("mimi_codec", {"CODES_IN": self._speak_pending[None]}, ["AUDIO"], False))
+        done = await asyncio.gather(*calls, return_exceptions=True)  # both finish before any error is raised
+        for res in done:
+            if isinstance(res, BaseException):
+                raise res
+        d = done[0]
+        audio = done[1]["AUDIO"] if len(done) > 1 else None
         self.ticks += 1
         if start:  # both models hold the stream now: Moshi's handshake means "send audio"
             self.send(pack(HANDSHAKE))
@@ -288,8 +294,8 @@ class Stream:
             self.s.metrics.observe("egomem_refresh_seconds", dt)
             self.send(pack_event("memchunk_refreshed", level=refresh.level, user_id=refresh.user_id,
                                  text=refresh.text, latency_ms=round(dt * 1000, 1)))
-        if r.get("AUDIO") is not None:
-            opus = self._opus_out.append_pcm(r["AUDIO"].reshape(-1).astype(np.float32))
+        if audio is not None:
+            opus = self._opus_out.append_pcm(audio.reshape(-1).astype(np.float32))
             if len(opus):
                 self.send(pack(AUDIO, opus))
         text_token = int(d["TEXT_TOKEN"].reshape(-1)[0])

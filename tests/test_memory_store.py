@@ -3,6 +3,7 @@ migrations and concurrent writers (threads and processes)."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from egomem.memory import sqlite_store
 from egomem.memory.identify import StoreIdentifier
+from egomem.memory.redact import MARKER, mentions, name_pattern, redact
 from egomem.memory.sqlite_store import SQLiteMemoryStore
 from egomem.memory.store import StoreError, VersionConflict
 from egomem.memory.types import PersonaUpdate, Provenance, SessionCommit, NewKey, ItemDecision
@@ -62,7 +64,15 @@ def test_op_log_is_append_only(tmp_path):
         c.execute("UPDATE op_log SET reason = 'x'")
     with pytest.raises(sqlite3.DatabaseError, match="append-only"):
         c.execute("DELETE FROM op_log")
-    assert len(s.op_log()) == 1
+    # forget's guard lets it redact the free text (reason, detail), never rewrite what happened
+    c.execute("BEGIN")
+    c.execute("INSERT INTO forget_guard (active) VALUES (1)")
+    for col, val in [("op", "'x'"), ("user_id", "'someone'"), ("ts", "0"), ("actor", "'x'"), ("target", "'x'")]:
+        with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+            c.execute(f"UPDATE op_log SET {col} = {val}")
+    c.execute("UPDATE op_log SET reason = 'redacted'")
+    c.execute("ROLLBACK")
+    assert len(s.op_log()) == 1 and s.op_log()[0].reason != "redacted" and s.op_log()[0].op == "create_user"
 
 
 def _populate_zelda(s: SQLiteMemoryStore) -> tuple[str, str, list[np.ndarray]]:
@@ -113,6 +123,73 @@ def test_forget_leaves_no_trace_in_any_table_index_or_file(tmp_path):
     assert zid not in StoreIdentifier(s, "m_face", "m_voice").indexed_users()
     assert ident.identify(vectors[0][None], None) is None  # the live index rebuilt itself
     assert s.dead_letters() == [] and s.get_llm_response("h1") is None
+
+
+def test_redaction_rule_whole_name_words_case_whitespace_json():
+    pat = name_pattern(["Zoë  Quist"])
+    assert redact("met zoë quist's dog; ZOË\nQUIST too", pat) == f"met {MARKER}'s dog; {MARKER} too"
+    assert redact("Zoë called; Zoë Quistberg and MacZoë Quist", pat) == "Zoë called; Zoë Quistberg and MacZoë Quist"
+    raw = json.dumps({"people": [["Zoë Quist", "colleague"]], "n": 3}, sort_keys=True)  # stored as Zo\u00eb
+    assert "Zoë" not in raw and mentions(raw, pat)
+    assert json.loads(redact(raw, pat)) == {"people": [[MARKER, "colleague"]], "n": 3}
+    assert not mentions(redact(raw, pat), pat) and redact(b"Zo\xc3\xab Quist", pat) == b"Zo\xc3\xab Quist"
+    assert name_pattern(["unknown_user", "  "]) is None
+
+
+def test_forget_redacts_the_name_from_other_users_memories(tmp_path):
+    """Ann mentions Zoë Quist by name in a transcript, facts (one superseded), a summary, persona
+    evidence, an op-log reason, an LLM answer and a dead letter; forget(Zoë) leaves the name nowhere."""
+    db = tmp_path / "m.db"
+    s = SQLiteMemoryStore(db)
+    zoe = s.create_user("Zoë Quist")
+    s.add_key(zoe.user_id, "face", "m_face", unit(7))
+    s.add_fact(zoe.user_id, "builds radar antennas")
+    ann = s.create_user("Ann Lee")
+    s.add_fact(ann.user_id, "plays chess", key="hobby")
+    prov = Provenance("memory_manager", "rule_fallback", session_id="sess-a", llm_model="rule-based-fallback")
+    s.commit_session(SessionCommit(
+        session_id="sess-a", stream_id="st-a", chunk_index=0, start_step=0, end_step=99, valid_from=5.0,
+        provenance=prov, user_id=ann.user_id,
+        decisions=[ItemDecision("add", "fact", "works with Zoë Quist", "colleague",
+                                reason="said her colleague ZOË QUIST helps her")],
+        persona=[PersonaUpdate(4, 0.8, 0.6, "admires zoë quist")],
+        summary="Ann talked about her colleague Zoë  Quist and chess", relations=[("Zoë Quist", "colleague")],
+        transcript="USER: my colleague Zoë Quist from work\nUSER: Zoë was late", transcript_source="client+monologue"))
+    old = next(i for i in s.facts(ann.user_id) if "Zoë" in i.text)
+    s.supersede_item(old.item_id, "works with Zoë Quist on radar", reason="Zoë Quist moved teams")
+    s.put_llm_response("ha", "sess-a", "m", "extract", {"relations": [["Zoë Quist", "colleague"]]})
+    s.add_dead_letter("llm", "update", {"messages": "Ann: Zoë Quist ..."}, "HTTP 500", 4, session_id="sess-a")
+    assert s.relations(ann.user_id)  # the mention made the relation to the real Zoë
+
+    receipt = s.forget_user(zoe.user_id, reason="asked to be forgotten")
+    assert receipt.leftovers == [] and receipt.wal_clean
+    for cell in ["sessions.transcript", "summaries.text", "persona.evidence", "op_log.reason",
+                 "llm_calls.response", "dead_letters.payload"]:
+        assert receipt.redacted.get(cell, 0) >= 1, cell
+    assert receipt.redacted["memory_items.text"] == 2  # the superseded (history) row too
+    assert s.verify_forgotten(zoe.user_id, name="Zoë Quist") == []
+    s.close()
+    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("m.db"))
+    for needle in ["Zoë Quist", "ZOË QUIST", "zoë quist", "Zoë  Quist", "Zo\\u00eb Quist", zoe.user_id]:
+        assert needle.encode() not in raw, needle
+
+    s = SQLiteMemoryStore(db)
+    # Ann's memories stay, readable, with the marker where the name was; the first name alone stays
+    assert sorted(f.text for f in s.facts(ann.user_id)) == ["plays chess", f"works with {MARKER} on radar"]
+    hist = sorted(i.text for i in s.items(ann.user_id, "fact", history=True))
+    assert hist == ["plays chess", f"works with {MARKER}", f"works with {MARKER} on radar"]
+    assert s.summaries(ann.user_id)[0].text == f"Ann talked about her colleague {MARKER} and chess"
+    assert s.persona(ann.user_id)[4].evidence == f"admires {MARKER}"
+    assert s.get_session("sess-a").transcript == f"USER: my colleague {MARKER} from work\nUSER: Zoë was late"
+    assert s.get_llm_response("ha") == {"relations": [[MARKER, "colleague"]]}
+    assert s.dead_letters()[0].payload == {"messages": f"Ann: {MARKER} ..."}
+    assert s.relations(ann.user_id) == [] and [u.name for u in s.list_users()] == ["Ann Lee"]
+    assert f"said her colleague {MARKER} helps her" in [e.reason for e in s.op_log(ann.user_id)]
+    last = s.op_log()[-1]
+    assert last.op == "forget" and last.detail["redacted"] == receipt.redacted
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):  # the log is still append-only
+        s._conn().execute("UPDATE op_log SET reason = 'x'")
+    s.close()
 
 
 def test_merge_users_moves_everything_and_leaves_a_tombstone(tmp_path):
@@ -194,19 +271,24 @@ def test_job_queue_survives_restart_leases_retries_and_dead_letters(tmp_path):
 
 def test_forward_migration_and_refusing_a_newer_schema(tmp_path, monkeypatch):
     db = tmp_path / "m.db"
+    real, current = dict(sqlite_store.MIGRATIONS), sqlite_store.SCHEMA_VERSION
+    monkeypatch.setattr(sqlite_store, "MIGRATIONS", {1: real[1]})  # a database made by the first release
+    monkeypatch.setattr(sqlite_store, "SCHEMA_VERSION", 1)
     s = SQLiteMemoryStore(db)
     u = s.create_user("Ada")
     assert s.schema_version() == 1
     s.close()
-    v2 = dict(sqlite_store.MIGRATIONS)
-    v2[2] = "ALTER TABLE users ADD COLUMN locale TEXT;\nCREATE INDEX users_name ON users(name);"
-    monkeypatch.setattr(sqlite_store, "MIGRATIONS", v2)
-    monkeypatch.setattr(sqlite_store, "SCHEMA_VERSION", 2)
+    nxt = dict(real)
+    nxt[current + 1] = "ALTER TABLE users ADD COLUMN locale TEXT;\nCREATE INDEX users_name ON users(name);"
+    monkeypatch.setattr(sqlite_store, "MIGRATIONS", nxt)
+    monkeypatch.setattr(sqlite_store, "SCHEMA_VERSION", current + 1)
     s = SQLiteMemoryStore(db)
-    assert s.schema_version() == 2 and s.get_user(u.user_id).name == "Ada"
+    assert s.schema_version() == current + 1 and s.get_user(u.user_id).name == "Ada"
     assert "locale" in [r[1] for r in s._conn().execute("PRAGMA table_info(users)")]
+    with pytest.raises(sqlite3.DatabaseError, match="only forget"):  # v2's guarded op-log trigger is in place
+        s._conn().execute("UPDATE op_log SET reason = 'x'")
     s.close()
-    monkeypatch.setattr(sqlite_store, "SCHEMA_VERSION", 1)
+    monkeypatch.setattr(sqlite_store, "SCHEMA_VERSION", current)
     with pytest.raises(StoreError, match="newer than this code"):
         SQLiteMemoryStore(db)
 

@@ -107,3 +107,13 @@ def test_bad_inputs_and_missing_paper_model(encoder: SentenceEncoder, tmp_path) 
         build_text_encoder(RetrievalConfig(text_backend="bge"))
     with pytest.raises(ModelFilesMissing, match="modules.json"):
         build_text_encoder(RetrievalConfig(text_backend="bge", bge_path=tmp_path))
+
+
+def test_clear_drops_every_cached_document_text(retriever: Level2Retriever) -> None:
+    """After a forget the orchestrator clears the caches: no copy of a neighbour's texts stays behind."""
+    q = RetrievalQuery(("sister",), ("sport",))
+    before = items(retriever.retrieve(q, NEIGHBOURS))
+    assert any("Alice" in t for t in retriever._cache) and retriever._bm25_last is not None
+    retriever.clear()
+    assert retriever._cache == {} and retriever._bm25_last is None
+    assert items(retriever.retrieve(q, NEIGHBOURS)) == before  # rebuilt from the documents it is given

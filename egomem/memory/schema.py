@@ -157,6 +157,19 @@ CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 INSERT INTO meta (name, value) VALUES ('keys_generation', '0');
 """
 
+# v2: forget redacts the forgotten person's name from other users' op-log rows. UPDATE stays refused,
+# except while forget holds `forget_guard`, and then only of the free-text columns `reason` and `detail`.
+_V2 = """
+DROP TRIGGER op_log_no_update;
+CREATE TRIGGER op_log_no_update BEFORE UPDATE ON op_log
+WHEN NOT EXISTS (SELECT 1 FROM forget_guard)
+  OR NEW.op_id IS NOT OLD.op_id OR NEW.ts IS NOT OLD.ts OR NEW.op IS NOT OLD.op OR NEW.actor IS NOT OLD.actor
+  OR NEW.user_id IS NOT OLD.user_id OR NEW.related_user_id IS NOT OLD.related_user_id
+  OR NEW.target IS NOT OLD.target OR NEW.session_id IS NOT OLD.session_id OR NEW.llm_model IS NOT OLD.llm_model
+  OR NEW.prompt_hash IS NOT OLD.prompt_hash
+BEGIN SELECT RAISE(ABORT, 'op_log is append-only; only forget(user) may redact reason/detail'); END;
+"""
+
 # version -> statements taking the database from version-1 to version.
-MIGRATIONS: dict[int, str] = {1: _V1}
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2}
 SCHEMA_VERSION = max(MIGRATIONS)

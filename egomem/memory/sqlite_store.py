@@ -4,7 +4,9 @@ Durability: `synchronous=FULL` by default, so a committed transaction survives a
 and a power cut. Every write runs in `BEGIN IMMEDIATE` (one writer at a time across threads and
 processes; others wait up to `busy_timeout_s`), which also serialises writes for one user.
 `secure_delete` is on and `forget_user` truncates the WAL, so forgotten data is not left in free
-pages or old WAL frames of the database file.
+pages or old WAL frames of the database file. Mentions of the forgotten person's name in rows that
+stay (other users' transcripts, facts, summaries, op-log reasons, ...) are redacted in the same
+transaction (egomem/memory/redact.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -21,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from egomem.memory.redact import mentions, name_pattern, redact
 from egomem.memory.schema import MIGRATIONS, SCHEMA_VERSION
 from egomem.memory.store import MANUAL, MemoryStore, StoreError, VersionConflict
 from egomem.memory.types import (
@@ -260,7 +264,9 @@ class SQLiteMemoryStore(MemoryStore):
             u = self._live_user(c, user_id)
             vectors = [np.frombuffer(r[0], dtype="<f4") for r in
                        c.execute("SELECT vector FROM biometric_keys WHERE user_id = ?", (user_id,))]
-            ids = [user_id] + [r[0] for r in c.execute("SELECT user_id FROM users WHERE merged_into = ?", (user_id,))]
+            merged = c.execute("SELECT user_id, name FROM users WHERE merged_into = ?", (user_id,)).fetchall()
+            ids = [user_id] + [r[0] for r in merged]
+            names = [u.name] + [r[1] for r in merged]  # a tombstone may carry another name of the same person
             marks = ",".join("?" * len(ids))
             sessions = [r[0] for r in c.execute(f"SELECT session_id FROM sessions WHERE user_id IN ({marks})", ids)]
             smarks = ",".join("?" * len(sessions))
@@ -293,9 +299,11 @@ class SQLiteMemoryStore(MemoryStore):
                     c.execute("DELETE FROM op_log WHERE user_id = ? OR related_user_id = ?", (n, n))
                     c.execute("DELETE FROM forget_guard")
                     delete("users", "user_id = ?", (n,))
+            pat = name_pattern(names)
+            redacted = self._redact(c, pat) if pat is not None else {}
             self._bump_keys_generation(c)
             self._log(c, "forget", prov, None, None, "",  # the log keeps only that a forget happened
-                      detail={"forget_id": forget_id, "deleted": deleted})
+                      detail={"forget_id": forget_id, "deleted": deleted, "redacted": redacted})
         # Old versions of the deleted pages may still sit in the WAL: checkpoint it back into the
         # database (where secure_delete zeroed them) and truncate the WAL file.
         wal_clean = False
@@ -305,8 +313,36 @@ class SQLiteMemoryStore(MemoryStore):
                 wal_clean = True
                 break
             time.sleep(0.1)
-        leftovers = self.verify_forgotten(user_id, vectors, u.name if u.name != UNKNOWN_USER else None)
-        return ForgetReceipt(forget_id, deleted, leftovers, wal_clean)
+        leftovers = self.verify_forgotten(user_id, vectors, names)
+        return ForgetReceipt(forget_id, deleted, leftovers, wal_clean, redacted)
+
+    @staticmethod
+    def _text_columns(c: sqlite3.Connection) -> Iterator[tuple[str, str]]:
+        """(table, column) of every column that may hold a mention of a person. Skipped: primary keys
+        (generated ids), `users.name` (another user's own name is not a mention of the forgotten
+        one), and op-log columns other than its free text (reason, detail)."""
+        for t in [r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]:
+            for _cid, col, _type, _nn, _default, pk in c.execute(f"PRAGMA table_info({t})").fetchall():
+                if pk or (t, col) == ("users", "name") or (t == "op_log" and col not in ("reason", "detail")):
+                    continue
+                yield t, col
+
+    def _redact(self, c: sqlite3.Connection, pat: re.Pattern[str]) -> dict[str, int]:
+        """Replace the forgotten name in every remaining text cell (other users' rows, history rows
+        too); returns '<table>.<column>' -> rows changed. Runs inside forget's write transaction:
+        the op log accepts these UPDATEs only while `forget_guard` is set, and only of reason/detail."""
+        c.create_function("egomem_redact", 1, lambda v: redact(v, pat), deterministic=True)
+        out: dict[str, int] = {}
+        c.execute("INSERT INTO forget_guard (active) VALUES (1)")
+        try:
+            for t, col in list(self._text_columns(c)):
+                n = c.execute(f"UPDATE {t} SET {col} = egomem_redact({col}) "
+                              f"WHERE typeof({col}) = 'text' AND egomem_redact({col}) != {col}").rowcount
+                if n:
+                    out[f"{t}.{col}"] = n
+        finally:
+            c.execute("DELETE FROM forget_guard")
+        return out
 
     @staticmethod
     def _is_orphan(c: sqlite3.Connection, user_id: str) -> bool:
@@ -318,12 +354,13 @@ class SQLiteMemoryStore(MemoryStore):
                 return False
         return True
 
-    def verify_forgotten(self, user_id: str, vectors: Sequence[np.ndarray] = (), name: str | None = None) -> list[str]:
+    def verify_forgotten(self, user_id: str, vectors: Sequence[np.ndarray] = (),
+                         name: str | Sequence[str] | None = None) -> list[str]:
+        """Id and vector bytes: searched in every cell of every table. Name(s): every text cell
+        except `users.name` (other users' own names), matched as redaction matches them."""
         c = self._conn()
         needles: list[tuple[str, bytes]] = [("id", user_id.encode())]
         needles += [(f"vector{i}", np.asarray(v, dtype="<f4").tobytes()) for i, v in enumerate(vectors)]
-        if name:
-            needles.append(("name", name.encode()))
         hits = []
         tables = [r[0] for r in c.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
         for t in tables:
@@ -333,6 +370,17 @@ class SQLiteMemoryStore(MemoryStore):
                                   (needle,)).fetchone()[0]
                     if n:
                         hits.append(f"{t}.{col} ({what}, {n} rows)")
+        pat = name_pattern([name] if isinstance(name, str) else name or [])
+        if pat is not None:
+            c.create_function("egomem_mentions", 1, lambda v: mentions(v, pat), deterministic=True)
+            for t in tables:
+                for col in [r[1] for r in c.execute(f"PRAGMA table_info({t})")]:
+                    if (t, col) == ("users", "name"):
+                        continue
+                    n = c.execute(f"SELECT COUNT(*) FROM {t} WHERE typeof({col}) = 'text' AND egomem_mentions({col})"
+                                  ).fetchone()[0]
+                    if n:
+                        hits.append(f"{t}.{col} (name, {n} rows)")
         return hits
 
     # ------------------------------------------------------------------ biometric keys

@@ -74,10 +74,12 @@ class MemoryStore(abc.ABC):
     @abc.abstractmethod
     def forget_user(self, user_id: str, prov: Provenance = MANUAL, reason: str = "") -> ForgetReceipt:
         """Remove the user's keys, memories, relations, sessions, transcripts, LLM answers, dead
-        letters and log rows; append one 'forget' row that names no one; prove it by a scan."""
+        letters and log rows; redact their name where other users' rows mention it (memory/redact.py);
+        append one 'forget' row that names no one; prove it by a scan."""
     @abc.abstractmethod
-    def verify_forgotten(self, user_id: str, vectors: Sequence[np.ndarray] = (), name: str | None = None) -> list[str]:
-        """'<table>.<column>' cells that still hold the id, a vector's bytes, or the name."""
+    def verify_forgotten(self, user_id: str, vectors: Sequence[np.ndarray] = (),
+                         name: str | Sequence[str] | None = None) -> list[str]:
+        """'<table>.<column>' cells that still hold the id, a vector's bytes, or a mention of the name(s)."""
 
     # ---- biometric keys (vector index source) ----
     @abc.abstractmethod

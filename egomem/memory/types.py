@@ -241,9 +241,11 @@ class SessionCommit:
 
 @dataclass(frozen=True)
 class ForgetReceipt:
-    """What `forget` removed, and the proof scan's result (`leftovers` must be empty)."""
+    """What `forget` removed, what it redacted (the name in other users' rows, see memory/redact.py),
+    and the proof scan's result (`leftovers` must be empty)."""
 
     forget_id: str
     deleted: dict[str, int]  # table -> rows
     leftovers: list[str]  # '<table>.<column>' still matching the user's id / name / vectors
     wal_clean: bool = True  # False: a long reader kept old WAL frames alive; they go at the next checkpoint
+    redacted: dict[str, int] = field(default_factory=dict)  # '<table>.<column>' -> rows of others that named them

@@ -122,6 +122,13 @@ class Level2Retriever:
         hits = self.retrieve(parse_query(text, self.max_query_chars), neighbours)
         return render(h.document for h in hits)
 
+    def clear(self) -> None:
+        """Drop the embedding cache and the last BM25 index. Documents are rebuilt from the store on
+        every query, so nothing stale is ever *returned*; but both caches hold document texts, so a
+        forget clears them to leave no copy of a forgotten person's memories in this process."""
+        self._cache.clear()
+        self._bm25_last = None
+
     def warm(self, docs: Sequence[Document]) -> None:
         """Embed documents ahead of queries (e.g. when the memory manager stores new facts)."""
         if self.encoder is not None and docs:
