@@ -20,6 +20,7 @@ from egomem.serving.client import AsyncTritonClient
 from egomem.stack import tokens_path
 
 from .auth import TokenTable, auth_middleware
+from .grid import GridClock
 from .metrics import Metrics
 from .middlewares import errors, limits
 from .rest import routes
@@ -42,7 +43,8 @@ async def services_ctx(app: web.Application) -> AsyncIterator[None]:
         from .perception import Perception
 
         perception = await asyncio.to_thread(Perception, cfg, triton, store, oc.retrieval)
-    services = Services(cfg, triton, store, app[METRICS], perception)
+    services = Services(cfg, triton, store, app[METRICS], perception,
+                        GridClock(app[METRICS], oc.max_tick_lag_s))
     app[SERVICES] = services
     log.info("orchestrator: Triton at %s, store %s, %d stream slots", triton.url, cfg.memory.database, oc.max_streams)
     yield

@@ -12,6 +12,7 @@ from egomem.config import Config
 from egomem.memory import MemoryStore
 from egomem.serving.client import AsyncTritonClient
 
+from .grid import GridClock
 from .metrics import Metrics
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class Services:
     store: MemoryStore
     metrics: Metrics
     perception: "Perception | None"  # None: identification/retrieval models are off
+    clock: GridClock  # ticks the global-clock streams in lockstep
     streams: dict[str, "Stream"] = field(default_factory=dict)
     sequence_ids: "itertools.count[int]" = field(default_factory=_sequence_ids)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -58,6 +57,14 @@ class Refresh:
     text: str
     user_id: str | None
     asked_at: float
+
+
+@dataclass
+class Encoded:
+    """What phase 1 of a tick hands to phase 2."""
+
+    pcm: np.ndarray  # [1920] the client frame (or silence) this tick
+    listen: np.ndarray  # [8] its Mimi codes
 
 
 class Stream:
@@ -196,26 +203,24 @@ class Stream:
 
     # -- the dialog tick ------------------------------------------------------------------------
     async def _tick_loop(self) -> None:
-        """Tick when the client's next frame is complete (no phase lag between client and server),
-        but never more than one tick ahead of the stream's 12.5 Hz clock, and at the latest
-        `late_grace_s` after the clock's due time: then silence is fed and the model keeps talking.
-        With `tick_clock = "global"` every stream ticks on one shared 80 ms grid instead, so Triton's
-        sequence batcher puts all streams' requests into one model step (throughput over latency)."""
+        """With `tick_clock = "global"` the grid clock ticks this stream in lockstep with every other
+        one (orchestrator/grid.py: one batch per model call, throughput over latency). Otherwise tick
+        when the client's next frame is complete (no phase lag between client and server), but never
+        more than one tick ahead of the stream's 12.5 Hz clock, and at the latest `late_grace_s` after
+        the clock's due time: then silence is fed and the model keeps talking."""
+        if self.oc.tick_clock == "global":
+            await self.s.clock.run(self)
+            return
         loop = asyncio.get_running_loop()
         m = self.s.metrics
-        aligned = self.oc.tick_clock == "global"
-        due = math.ceil(loop.time() / TICK_S) * TICK_S if aligned else loop.time()
+        due = loop.time()
         while not self.closed.is_set():
             while True:
                 now = loop.time()
                 ready = self._pcm_in_len >= FRAME_SAMPLES
-                if aligned and now >= due:  # every stream ticks on the same 80 ms grid: one batch per tick
+                if (ready and now >= due - TICK_S) or now >= due + self.oc.late_grace_s:
                     break
-                if not aligned and ((ready and now >= due - TICK_S) or now >= due + self.oc.late_grace_s):
-                    break
-                if aligned:
-                    ready = True  # wait for the grid only
-                wake = (due if aligned else due - TICK_S if ready else due + self.oc.late_grace_s) - now
+                wake = (due - TICK_S if ready else due + self.oc.late_grace_s) - now
                 self._input_ready.clear()
                 waiters = [asyncio.ensure_future(self.closed.wait())]
                 if not ready:
@@ -230,7 +235,7 @@ class Stream:
                 m.inc("egomem_tick_deadline_misses_total", skipped)
                 due += skipped * TICK_S
             t0 = loop.time()
-            await self._tick()
+            await self.tick()
             t1 = loop.time()
             m.observe("egomem_tick_seconds", t1 - t0)
             if t1 > max(due, t0) + TICK_S:
@@ -264,13 +269,22 @@ class Stream:
                 raise StreamFailed("no free stream slot in the dialog model", 1013) from e
             raise StreamFailed(f"model refused the stream: {e}", 1011) from e
 
-    async def _tick(self) -> None:
+    async def tick(self) -> None:
+        """One tick: `encode`, then `step` (the grid clock runs the two phases for all streams at once)."""
+        await self.step(await self.encode())
+
+    async def encode(self) -> "Encoded":
+        """Phase 1: this tick's client frame (silence when late) -> `mimi_codec` -> listen codes."""
         pcm, fresh = self._take_frame()
         if not fresh:
             self.s.metrics.inc("egomem_late_frames_total")
+        r = await self._infer("mimi_codec", {"PCM": pcm[None]}, ["CODES"], self.ticks == 0)  # [1, 1920] -> [1, 8]
+        return Encoded(pcm, r["CODES"].reshape(-1).astype(np.int64))  # listen codes [8]
+
+    async def step(self, enc: "Encoded") -> None:
+        """Phase 2: `dialog_lm` (with the previous voice's decode beside it) -> audio, text, recording."""
+        pcm, listen = enc.pcm, enc.listen
         start = self.ticks == 0
-        r = await self._infer("mimi_codec", {"PCM": pcm[None]}, ["CODES"], start)  # [1, 1920] -> [1, 8]
-        listen = r["CODES"].reshape(-1).astype(np.int64)  # [8]
         d_in: dict[str, np.ndarray] = {"LISTEN_CODES": listen[None]}
         refresh = self._refreshes.popleft() if self._refreshes else None
         if refresh is not None:

@@ -1,5 +1,5 @@
 """The orchestrator's pure pieces, in-process: protocol framing, the outbox's drop policy, the rate
-limit, MemChunk fitting, recording into StreamChunks, Prometheus rendering."""
+limit, MemChunk fitting, recording into StreamChunks, Prometheus rendering, the grid clock."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from egomem import protocol as P
+from egomem.orchestrator.grid import GridClock
 from egomem.orchestrator.metrics import Metrics
 from egomem.orchestrator.recording import Recorder
 from egomem.orchestrator.stream import _fit
@@ -103,3 +104,66 @@ def test_metrics_render_prometheus_text():
     assert 'egomem_tick_seconds_bucket{le="0.04"} 1' in text and 'egomem_tick_seconds_bucket{le="+Inf"} 2' in text
     assert "egomem_tick_seconds_count 2" in text and "egomem_late_frames_total 2" in text
     assert "# TYPE egomem_open_streams gauge" in text
+
+
+
+class _FakeStream:
+    """What the grid clock drives: `closed`, `encode()`, `step(enc)`; logs (event, stream, time)."""
+
+    def __init__(self, name: str, log: list, encode_s: float = 0.0, fail_at: int | None = None):
+        self.name, self.log, self.encode_s, self.fail_at = name, log, encode_s, fail_at
+        self.closed = asyncio.Event()
+        self.ticks = 0
+
+    async def encode(self):
+        await asyncio.sleep(self.encode_s)
+        if self.fail_at is not None and self.ticks == self.fail_at:
+            raise RuntimeError(f"{self.name}: model server unavailable")
+        self.log.append(("encoded", self.name, asyncio.get_running_loop().time()))
+        return self.ticks
+
+    async def step(self, enc):
+        self.log.append(("step", self.name, asyncio.get_running_loop().time()))
+        self.ticks += 1
+
+
+def test_grid_clock_ticks_streams_in_lockstep_phases():
+    async def run():
+        log: list = []
+        metrics = Metrics()
+        clock = GridClock(metrics, max_lag_s=0.4)
+        fast, slow = _FakeStream("fast", log), _FakeStream("slow", log, encode_s=0.03)
+        runs = [asyncio.create_task(clock.run(s)) for s in (fast, slow)]
+        await asyncio.sleep(0.5)
+        fast.closed.set(), slow.closed.set()
+        await asyncio.gather(*runs)
+        return log, fast.ticks, slow.ticks, metrics
+
+    log, fast_ticks, slow_ticks, metrics = asyncio.run(run())
+    assert fast_ticks >= 5 and abs(fast_ticks - slow_ticks) <= 1  # 80 ms grid, both every tick
+    steps = [t for e, _, t in log if e == "step"]
+    encodes = {n: [t for e, m, t in log if e == "encoded" and m == n] for n in ("fast", "slow")}
+    for k in range(min(fast_ticks, slow_ticks)):  # tick k: no dialog step before the slow stream's codes are in
+        assert min(steps[2 * k:2 * k + 2]) >= encodes["slow"][k]
+    gaps = np.diff(encodes["fast"])
+    assert 0.06 < float(np.median(gaps)) < 0.1  # the grid's 80 ms, not as fast as possible
+    assert "egomem_tick_seconds" in metrics.render()
+
+
+def test_grid_clock_a_failing_stream_leaves_alone():
+    async def run():
+        log: list = []
+        clock = GridClock(Metrics(), max_lag_s=0.4)
+        good, bad = _FakeStream("good", log), _FakeStream("bad", log, fail_at=2)
+        good_run = asyncio.create_task(clock.run(good))
+        with pytest.raises(RuntimeError, match="bad: model server unavailable"):
+            await clock.run(bad)
+        ticks_when_bad_failed = good.ticks
+        await asyncio.sleep(0.3)
+        assert not good_run.done() and clock.size == 1
+        good.closed.set()
+        await good_run  # a closed stream's run returns without error
+        return ticks_when_bad_failed, good.ticks
+
+    at_failure, later = asyncio.run(run())
+    assert later >= at_failure + 2  # the good stream kept ticking after the other one failed
