@@ -177,3 +177,33 @@ def test_rate_and_size_limits_close_only_the_offender(orch):
     flood, big = run(go())
     assert flood.close_code == P.CLOSE_POLICY and any("messages per second" in e for e in flood.errors)
     assert big.close_code == P.CLOSE_TOO_BIG
+
+
+def test_input_clock_ticks_each_stream_on_its_own_frames(triton, tmp_path):
+    """tick_clock = "input": a stream ticks when its client's frame is complete, on its own loop; a
+    stream whose client sends nothing is fed silence at its own pace, and neither waits for the other."""
+    triton.load("mimi_codec")
+    triton.load("dialog_lm")
+    cfg = orchestrator_config(test_config(tmp_path), tmp_path, triton.grpc_url, identify_models=False,
+                              retrieval=False, max_streams=2, tick_clock="input")
+    with OrchestratorThread(cfg) as o:
+        m = o.services.metrics
+
+        async def go():
+            late0 = m.get("egomem_late_frames_total")
+            async with EgoMemClient(o.url, STREAM_TOKEN) as c, c.chat() as talker, c.chat() as silent:
+                sid = (await talker.wait_event("stream_open"))["stream_id"]
+                quiet = (await silent.wait_event("stream_open"))["stream_id"]
+                sig = tone(1.6)
+                for i in range(0, len(sig), 1920):
+                    await talker.send_pcm(sig[i:i + 1920])
+                    await asyncio.sleep(0.08)
+                await talker.wait_for(lambda s: s.pcm.size >= 6 * 1920, 60)
+                return (o.services.streams[sid].ticks, o.services.streams[quiet].ticks,
+                        m.get("egomem_late_frames_total") - late0, talker.pcm.size, o.services.clock.size)
+
+        talker_ticks, quiet_ticks, late, pcm_samples, grid_streams = run(go())
+    assert talker_ticks >= 10 and quiet_ticks >= 10  # both ticked, each on its own loop
+    assert late >= quiet_ticks - 2  # the silent client's ticks were (nearly) all fed silence
+    assert pcm_samples >= 6 * 1920  # the talker got the model's voice back
+    assert grid_streams == 0  # no stream went through the global grid clock
