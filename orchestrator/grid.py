@@ -34,6 +34,8 @@ class GridClock:
         self.max_lag_s = max_lag_s
         self._members: dict["Stream", asyncio.Future] = {}  # stream -> its failure, if any
         self._task: asyncio.Task | None = None
+        self._ticking: set["Stream"] = set()  # the streams of the tick in progress
+        self._tick_over = asyncio.Event()  # set when that tick is over (a new one per tick)
 
     @property
     def size(self) -> int:
@@ -51,6 +53,8 @@ class GridClock:
         finally:
             closed.cancel()
             self._members.pop(stream, None)
+        if stream in self._ticking:  # let its calls in flight finish before the stream ends its sequences
+            await self._tick_over.wait()
         if failure.done():
             failure.result()  # raises the stream's error
 
@@ -66,6 +70,9 @@ class GridClock:
             log.exception("grid clock failed")
             for stream in list(self._members):
                 self._fail(stream, e)
+        finally:
+            self._ticking = set()
+            self._tick_over.set()
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -82,6 +89,7 @@ class GridClock:
                 m.inc("egomem_tick_deadline_misses_total", skipped * len(members))
                 due += skipped * TICK_S
             t0 = loop.time()
+            self._ticking, self._tick_over = set(members), asyncio.Event()
             encoded = await asyncio.gather(*(s.encode() for s in members), return_exceptions=True)
             ready = []
             for stream, enc in zip(members, encoded):
@@ -93,6 +101,8 @@ class GridClock:
             for (stream, _), res in zip(ready, stepped):
                 if isinstance(res, BaseException):
                     self._fail(stream, res)
+            self._ticking = set()
+            self._tick_over.set()
             t1 = loop.time()
             for _ in members:  # one observation per stream-tick, as per-stream clocks report them
                 m.observe("egomem_tick_seconds", t1 - t0)

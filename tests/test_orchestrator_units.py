@@ -116,6 +116,7 @@ class _FakeStream:
         self.ticks = 0
 
     async def encode(self):
+        self.log.append(("encoding", self.name, asyncio.get_running_loop().time()))
         await asyncio.sleep(self.encode_s)
         if self.fail_at is not None and self.ticks == self.fail_at:
             raise RuntimeError(f"{self.name}: model server unavailable")
@@ -161,9 +162,13 @@ def test_grid_clock_a_failing_stream_leaves_alone():
         ticks_when_bad_failed = good.ticks
         await asyncio.sleep(0.3)
         assert not good_run.done() and clock.size == 1
+        good.encode_s = 0.05
+        while log[-1][:2] != ("encoding", "good"):  # close it mid-tick, while its encode is in flight
+            await asyncio.sleep(0.005)
         good.closed.set()
-        await good_run  # a closed stream's run returns without error
-        return ticks_when_bad_failed, good.ticks
+        await good_run  # a closed stream's run returns without error ...
+        return ticks_when_bad_failed, good.ticks, log[-1]  # ... and only after its tick's step
 
-    at_failure, later = asyncio.run(run())
+    at_failure, later, last = asyncio.run(run())
     assert later >= at_failure + 2  # the good stream kept ticking after the other one failed
+    assert last[:2] == ("step", "good")  # its tick in flight finished before run returned
