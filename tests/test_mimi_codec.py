@@ -100,14 +100,27 @@ def test_rows_run_follow_the_open_streams(pool):
         pool.open(60), pool.open(61), pool.open(62)  # slots 0, 1, 2
         pool.encode([60], frames(0, 1))
         pool.encode([62], frames(0, 1))
-        pool.close(61)
-        pool.open(63)  # takes the freed slot 1, not slot 3
+        pool.close(61)  # stream 62 moves down into slot 1
+        pool.encode([62], frames(0, 1))
+        pool.open(63)  # takes the lowest free slot, 2
         pool.encode([63], frames(0, 1))
     finally:
         pool.model.encode = real
         for s in (60, 62, 63):
             pool.close(s)
-    assert seen == [1, 3, 2]
+    assert seen == [1, 3, 2, 3]
+
+
+def test_a_stream_moved_down_on_a_close_carries_on_where_it_was(pool):
+    x = frames(11, 16)
+    alone = run_alone(pool, 70, x)  # slot 0 throughout
+    pool.open(71), pool.open(72), pool.open(73)  # slots 0, 1, 2
+    before = [pool.encode([73], x[i:i + 1])[0] for i in range(8)]  # stream 73 at slot 2
+    pool.close(71)  # 73 moves to slot 0 with its streaming state
+    after = [pool.encode([73], x[i:i + 1])[0] for i in range(8, 16)]
+    pool.close(72), pool.close(73)
+    assert agreement(np.stack(before), alone[:8]) >= 0.9
+    assert agreement(np.stack(after), alone[8:]) >= 0.9  # a lost state would restart the codec mid-stream
 
 
 def test_decode_shape_and_pool_limits(pool):

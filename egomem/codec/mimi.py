@@ -11,8 +11,9 @@ builds it (the Triton model, the trigger's data builder, tests) produces the sam
 `MimiStreamPool` holds many concurrent streams in one batched streaming state: each stream owns a
 row (slot); a call executes only the rows it names (moshi's per-row `exec_mask`), so streams never
 see each other's state, and opening/closing a stream resets only its own row. On CPU a call runs
-the model on the first `max(slot) + 1` rows only (views of the full state, `_row_prefix`), and
-slots are handed out lowest first, so a step costs what the open streams need, not `max_streams`.
+the model on the first `max(slot) + 1` rows only (views of the full state, `_row_prefix`); slots are handed
+out lowest first and a close moves the highest stream into the freed row, so the open streams sit
+in rows 0..n-1 and a step costs what they need, not `max_streams`.
 """
 
 from __future__ import annotations
@@ -190,9 +191,35 @@ class MimiStreamPool:
 
     def close(self, stream_id: int) -> None:
         with self._lock:
-            s = self._streams.pop(stream_id, None)
-            if s is not None:
-                heapq.heappush(self._free, s.slot)
+            self._release(stream_id)
+
+    def _release(self, stream_id: int) -> None:
+        """Free a stream's slot. On CPU the stream in the highest slot moves into the freed one (its
+        state rows are copied), so the rows a call runs stay packed at 0..open streams - 1."""
+        s = self._streams.pop(stream_id, None)
+        if s is None:
+            return
+        freed = s.slot
+        if self._narrow and self._streams:
+            top = max(self._streams.values(), key=lambda o: o.slot)
+            if top.slot > freed:
+                self._move_row(top.slot, freed)
+                freed, top.slot = top.slot, freed
+        heapq.heappush(self._free, freed)
+
+    @torch.inference_mode()
+    def _move_row(self, src: int, dst: int) -> None:
+        """Copy every streaming-state row `src` to row `dst` (the per-row batch dim, as `_narrow_state`)."""
+        from moshi.modules.transformer import RingKVCache
+
+        for _, state in self._full_states:
+            for value in vars(state).values():
+                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == self.max_streams:
+                    value[dst] = value[src]
+                elif isinstance(value, RingKVCache):
+                    value.cache[:, dst] = value.cache[:, src]  # [2, B, H, T, D]
+                    if value.end_offset.shape[0] == self.max_streams:
+                        value.end_offset[dst] = value.end_offset[src]
 
     def is_open(self, stream_id: int) -> bool:
         return stream_id in self._streams
@@ -206,8 +233,7 @@ class MimiStreamPool:
         for sid, s in list(self._streams.items()):
             if now - s.last_used > self.ttl_s:
                 log.info("Mimi: reclaiming stream %d idle for %.0f s", sid, now - s.last_used)
-                del self._streams[sid]
-                heapq.heappush(self._free, s.slot)
+                self._release(sid)
 
     @torch.inference_mode()
     def _reset_rows(self, slots: list[int]) -> None:
