@@ -4,9 +4,19 @@ Metrics (EgoMem paper: Jaccard 0.99, span_match F1@5 0.98 on its own data): Jacc
 spans and span_match@{0,5,10} precision/recall/F1 over `--streams` held-out streams per condition
 (clean, noised), built from held-out users' and assistant utterances (egomem.trigger.synth).
 A third condition, clean streams without user switches, shows how much of the error is telling
-two users apart across a short pause (voice only). Peer in the same run: a rule-based activity segmenter (a step is active when the text channel
-carries a word or a listen code differs from the stream's most common code row; runs of activity
-closer than 3 s are merged into one session) — what the trigger must beat.
+two users apart across a short pause (voice only). Segmenters per condition:
+  - trigger: the shipped tagger alone;
+  - trigger+split: its sessions split where the person changes (egomem.trigger.identity_split) using
+    the voice track the orchestrator would record (synth.poll_voices: a GE2E embedding of the user's
+    last 3 s every 2 s, from real Resemblyzer partials cached with the codes), the identity config's
+    s-norm threshold, and the shipped s-norm cohort minus the held-out users' own rows (a deployment's
+    cohort never holds its users);
+  - trigger+split_1poll: the same with `trigger.split_min_polls = 1` (one differing poll is a change);
+  - activity_peer: a rule-based activity segmenter (a step is active when the text channel carries a
+    word or a listen code differs from the stream's most common code row; runs of activity closer
+    than 3 s are merged into one session) — what the trigger must beat.
+Each also gets an error breakdown of the gold sessions at span_match@5: matched / merged (one
+predicted span covers two gold sessions) / split / shifted / missed.
 Speed: seconds to label one 8,192-step chunk (paper: 0.08 s on an H100), median of `--repeats`.
 
     python bench/bench_trigger.py                # shipped checkpoint, held-out code cache in tests/data
@@ -16,6 +26,7 @@ Speed: seconds to label one 8,192-step chunk (paper: 0.08 s on an H100), median 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -23,10 +34,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from egomem.config import REPO_ROOT, TriggerConfig
+from egomem.config import REPO_ROOT, IdentityConfig, OrchestratorConfig, TriggerConfig
+from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
 from egomem.trigger import TriggerLabeler, decode_sessions
-from egomem.trigger.metrics import SHIPPED_BAR, evaluate, meets_bar
-from egomem.trigger.synth import TEXT_PAD, CodeCache, StreamSpec, synth_stream
+from egomem.trigger.identity_split import SplitRule, split_sessions
+from egomem.trigger.metrics import SHIPPED_BAR, error_breakdown, evaluate, meets_bar
+from egomem.trigger.synth import (N_TRAIN_USERS, STEP_S, TEXT_PAD, CodeCache, StreamSpec, poll_voices, synth_recorded,
+                                  synth_stream)
 
 DEFAULT_CACHE = REPO_ROOT / "tests" / "data" / "trigger" / "heldout_codes.npz"
 
@@ -48,6 +62,17 @@ def activity_segmenter(tokens: np.ndarray, merge_gap: int = 38) -> list[tuple[in
         prev = t
     spans.append((int(a), int(prev)))
     return [(s, e) for s, e in spans if e - s + 1 >= 3]
+
+
+def bench_split_rule() -> SplitRule:
+    """The memory manager's split rule (memory.worker.split_rule) with default config, except the
+    s-norm cohort: the shipped one holds one row per LibriSpeech cohort speaker in sorted order, and
+    the held-out users are the speakers after the first N_TRAIN_USERS, so their rows are left out."""
+    i, t = IdentityConfig(), TriggerConfig()
+    cohort = np.load(default_cohort_file("resemblyzer_ge2e"))[:N_TRAIN_USERS]  # [200, 256]
+    return SplitRule(i.face_threshold_dlib, i.voice_threshold_resemblyzer,
+                     AdaptiveSNorm(cohort, i.cohort_top_k, i.cohort_size), min_polls=t.split_min_polls,
+                     window_steps=int(round(OrchestratorConfig().identify_window_s / STEP_S)))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -74,15 +99,28 @@ def main(argv: list[str] | None = None) -> dict:
                      "stream_steps": args.stream_steps, "metrics": {}}
     no_switch = StreamSpec(steps=args.stream_steps, switch_p=0.0)
     conditions = {"clean": (spec, False), "noised": (spec, True), "clean_no_user_switch": (no_switch, False)}
+    rule = bench_split_rule()
+    one_poll = dataclasses.replace(rule, min_polls=1)  # trigger.split_min_polls = 1: fewer merges, more false splits
+    results["split_rule"] = {"voice_threshold_snorm": rule.voice_threshold, "min_polls": rule.min_polls,
+                             "window_steps": rule.window_steps, "cohort_rows": N_TRAIN_USERS}
     for i, (cond, (cspec, noised)) in enumerate(conditions.items()):
         rng = np.random.default_rng([args.seed, i])
-        preds, peer, golds = [], [], []
+        out: dict[str, list] = {"trigger": [], "trigger+split": [], "trigger+split_1poll": [], "activity_peer": []}
+        golds, polls = [], 0
         for _ in range(args.streams):
-            tokens, _, gold = synth_stream(cache, rng, cspec, noised=noised)
-            preds.append(decode_sessions(labeler.label(tokens)))
-            peer.append(activity_segmenter(tokens))
-            golds.append(gold)
-        results["metrics"][cond] = {"trigger": evaluate(preds, golds), "activity_peer": evaluate(peer, golds)}
+            s = synth_recorded(cache, rng, cspec, noised=noised)  # draws what synth_stream draws: same streams
+            pred = decode_sessions(labeler.label(s.tokens))
+            voices = poll_voices(cache, s)
+            polls += len(voices)
+            out["trigger"].append(pred)
+            out["trigger+split"].append([(p.start, p.end) for p in split_sessions(pred, s.tokens, [], voices, rule)])
+            out["trigger+split_1poll"].append(
+                [(p.start, p.end) for p in split_sessions(pred, s.tokens, [], voices, one_poll)])
+            out["activity_peer"].append(activity_segmenter(s.tokens))
+            golds.append(s.sessions)
+        results["metrics"][cond] = {k: evaluate(v, golds) | {"errors@5": error_breakdown(v, golds, 5)}
+                                    for k, v in out.items()}
+        results["metrics"][cond]["trigger+split"]["voice_polls"] = polls
     results["bar"] = SHIPPED_BAR
     results["meets_bar"] = {c: meets_bar(results["metrics"][c]["trigger"], b) for c, b in SHIPPED_BAR.items()}
 
@@ -110,12 +148,16 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _print_table(r: dict) -> None:
-    print(f"{'condition':20} {'segmenter':14} {'Jaccard':>8} " + " ".join(f"{'P/R/F1@' + str(n):>20}" for n in (0, 5, 10)))
+    print(f"{'condition':20} {'segmenter':19} {'Jaccard':>8} "
+          + " ".join(f"{'P/R/F1@' + str(n):>20}" for n in (0, 5, 10))
+          + "  gold sessions @5: matched/merged/split/shifted/missed")
     for cond, by in r["metrics"].items():
         for name, m in by.items():
             cells = " ".join(f"{m[f'span_match@{n}']['precision']:.3f}/{m[f'span_match@{n}']['recall']:.3f}/"
                              f"{m[f'span_match@{n}']['f1']:.3f}".rjust(20) for n in (0, 5, 10))
-            print(f"{cond:20} {name:14} {m['jaccard']:8.3f} {cells}")
+            e = m["errors@5"]
+            errs = "/".join(str(e[k]) for k in ("matched", "merged", "split", "shifted", "missed"))
+            print(f"{cond:20} {name:19} {m['jaccard']:8.3f} {cells}  {errs}")
     print("shipped bar (Jaccard, F1@5):", ", ".join(
         f"{c} {b['jaccard']}/{b['f1@5']} {'met' if r['meets_bar'][c] else 'MISSED'}" for c, b in r["bar"].items()))
     s = r["label_8192_steps_s"]
@@ -124,24 +166,37 @@ def _print_table(r: dict) -> None:
 
 
 def _plot(r: dict, path: Path) -> None:
+    """Left: Jaccard and F1@{0,5,10} per condition and segmenter. Right: what happened to the gold
+    sessions (span_match@5) per condition, trigger alone vs trigger + identity split."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = ["jaccard", "F1@0", "F1@5", "F1@10"]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     bars = [(c, n) for c in r["metrics"] for n in r["metrics"][c]]
     w = 0.8 / len(bars)
     for i, (cond, name) in enumerate(bars):
         m = r["metrics"][cond][name]
         vals = [m["jaccard"]] + [m[f"span_match@{n}"]["f1"] for n in (0, 5, 10)]
-        ax.bar(np.arange(len(keys)) + i * w, vals, w, label=f"{name} ({cond})")
+        ax.bar(np.arange(len(keys)) + i * w, vals, w, label=f"{name} ({cond})", color=plt.cm.tab20(i % 20))
     ax.set_xticks(np.arange(len(keys)) + 0.4 - w / 2, keys)
     ax.set_ylim(0, 1)
     ax.set_title(f"episodic trigger, {r['streams_per_condition']} held-out streams/condition; "
                  f"8,192 steps in {r['label_8192_steps_s']['median']:.2f} s ({r['device']})", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=3)
+    kinds = ["matched", "merged", "split", "shifted", "missed"]
+    cols = [(c, n) for c in r["metrics"] for n in ("trigger", "trigger+split")]
+    bottom = np.zeros(len(cols))
+    for kind in kinds:
+        vals = np.array([r["metrics"][c][n]["errors@5"][kind] for c, n in cols], float)
+        ax2.bar(np.arange(len(cols)), vals, 0.7, bottom=bottom, label=kind)
+        bottom += vals
+    ax2.set_xticks(np.arange(len(cols)), [f"{c}\n{n}" for c, n in cols], fontsize=6)
+    ax2.set_ylabel("gold sessions")
+    ax2.set_title("gold sessions at span_match@5 (merged = one span covers two sessions)", fontsize=9)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -59,7 +59,7 @@ class MimiConfig:
     weights: Path | None = None  # Moshi-format Mimi safetensors; None = random-initialised (offline)
     preset: Literal["tiny", "full"] = "tiny"  # tiny: same classes, fewer channels, real-time on 2 CPU cores
     num_codebooks: int = 8
-    max_streams: int = 16  # streaming-state slots; every call steps all of them, so size to the load (GPU: 64+)
+    max_streams: int = 16  # streaming-state slots (CPU: a call runs rows up to the highest open slot; GPU: all rows)
     stream_ttl_s: float = 600.0  # a stream idle this long is reclaimed
     seed: int = 1234  # random-initialised weights are seeded, so every process agrees
 
@@ -179,6 +179,10 @@ class TriggerConfig:
     emb_rank: int = 16  # low-rank audio embeddings (moshi's ScaledEmbedding low_rank): 16 x 2049 rows stay small
     text_buckets: int = 1024  # text ids are hashed (id % buckets) so any dialog tokenizer fits
     conv_kernel: int = 9  # local convolution gives the attention layers relative order (no absolute positions)
+    # Identity split (egomem.trigger.identity_split): the memory manager cuts a session where the recorded
+    # face/voice polls say the person changed, so no session mixes two people. Thresholds: [identity].
+    identity_split: bool = True
+    split_min_polls: int = 2  # consecutive agreeing polls (2 s apart) that confirm a change: one odd poll is noise
 
 
 @dataclass
@@ -198,8 +202,8 @@ class OrchestratorConfig:
     send_queue_messages: int = 64  # per-stream outbound queue (~5 s of audio); full = oldest audio dropped
     max_tick_lag_s: float = 0.4  # a tick loop this far behind its clock re-syncs (the missed ticks count as misses)
     late_grace_s: float = 0.04  # a tick waits this long past its due time for the client's frame, then feeds silence
-    tick_clock: Literal["input", "global"] = "global"  # global: all streams tick on one 80 ms grid, so Triton
-    # batches them into one model step (bench_orchestrator: 2 real-time streams vs 1 on 2 cores); input: tick when
+    tick_clock: Literal["input", "global"] = "global"  # global: one task ticks all streams in lockstep on one
+    # 80 ms grid, so Triton batches them into one model step per phase (orchestrator/grid.py); input: tick when
     # each client's frame is complete (no phase wait, but one model call per stream per tick)
     triton_timeout_s: float = 5.0  # one model call; longer means Triton is gone and the stream fails cleanly
     poll_interval_s: float = 2.0  # identification polling loop (the paper's 2 s)

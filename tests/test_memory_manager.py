@@ -360,3 +360,128 @@ def test_segment_helpers_plain_decoder_and_windowed_labelling():
     assert seen == [10, 10, 5] and labels.tolist() == tokens[:, 0].tolist()
     with pytest.raises(ValueError, match=r"\[T, 17\]"):
         label_stream(Recording(), np.zeros((5, 16), np.int64))
+
+
+# -- identity split: a session never mixes two people (real GE2E voices from tests/data/identity) ------
+
+VOICE_DIR = Path(__file__).parent / "data" / "identity"
+BG = 7  # the background code of both audio channels (digital silence)
+
+
+@pytest.fixture(scope="module")
+def real_voices() -> dict[str, list[np.ndarray]]:
+    """GE2E embeddings of 2 s windows (0.5 s hop) of two LibriSpeech readers, two utterances each."""
+    import soundfile as sf
+
+    from egomem.config import IdentityConfig
+    from egomem.identity.voice import ResemblyzerEncoder, VoiceActivity
+
+    icfg = IdentityConfig()
+    enc = ResemblyzerEncoder(icfg.voice_threshold_resemblyzer, VoiceActivity(icfg.vad_threshold))
+    out: dict[str, list[np.ndarray]] = {}
+    readers = {"A": ["2033-164914-0004", "2033-164914-0005"], "B": ["2414-128291-0003", "2414-128291-0009"]}
+    for who, files in readers.items():
+        for f in files:
+            pcm, sr = sf.read(VOICE_DIR / f"{f}.flac", dtype="float32")
+            for s in range(0, len(pcm) - 2 * sr + 1, sr // 2):
+                e = enc.encode(pcm[s:s + 2 * sr], sr).embedding
+                if e is not None:
+                    out.setdefault(who, []).append(e)
+    assert len(out["A"]) >= 6 and len(out["B"]) >= 3
+    return out
+
+
+def talk_chunk(stream: str, turns: list[tuple[str, str, int, int]], voices: dict, lines: list[tuple[int, str]],
+               T: int = 360) -> StreamChunk:
+    """turns: (who, side, first, last) with side 'user' (listen codes) or 'assistant' (speak codes and
+    text words); `SpanLabeler(span)` plays the trigger. Voice polls as the orchestrator records them: every
+    25 steps, the user speech of the last 38 steps (>= 13 steps of it), blended when two people were heard."""
+    rng = np.random.default_rng(0)
+    tokens = np.full((T, 17), BG, np.int64)
+    tokens[:, 0] = 3  # text padding
+    speaker = np.full(T, "", object)
+    for who, side, a, b in turns:
+        cols = slice(9, 17) if side == "user" else slice(1, 9)
+        tokens[a:b + 1, cols] = rng.integers(100, 2048, size=(b - a + 1, 8))
+        if side == "user":
+            speaker[a:b + 1] = who
+        else:
+            tokens[a:b + 1:3, 0] = rng.integers(4, 4000, size=len(range(a, b + 1, 3)))  # a word every 3 steps
+    chunk = StreamChunk(stream, 0, 5000.0, tokens, client_transcript=lines)
+    used = {"A": 0, "B": 0}
+    for t in range(24, T, 25):
+        heard = speaker[max(0, t - 37):t + 1]
+        people = {w: int(np.sum(heard == w)) for w in ("A", "B") if np.sum(heard == w)}
+        if sum(people.values()) < 13:
+            continue
+        vecs = []
+        for w in people:
+            vecs.append(voices[w][used[w] % len(voices[w])])
+            used[w] += 1
+        m = np.mean(vecs, axis=0)
+        chunk.voices.append((t, m / np.linalg.norm(m)))
+    return chunk
+
+
+class SpanLabeler:
+    """Test double for the trigger: labels one fixed session, whatever the tokens."""
+
+    def __init__(self, span: tuple[int, int]):
+        self.span = span
+
+    def label(self, tokens: np.ndarray) -> np.ndarray:
+        return spans_to_labels([self.span], tokens.shape[0])
+
+
+def switch_chunk(voices) -> StreamChunk:
+    """A talks with the assistant, leaves; B starts 1 s later; the trigger sees one session."""
+    turns = [("A", "user", 10, 59), ("A", "assistant", 64, 99), ("A", "user", 104, 149), ("A", "assistant", 154, 169),
+             ("B", "user", 182, 229), ("B", "assistant", 234, 269), ("B", "user", 274, 330)]
+    lines = [(12, "Hi, my name is Arthur."), (105, "I live in Oslo."),
+             (185, "Hello, my name is Bruno."), (276, "I really like chess.")]
+    return talk_chunk("switch", turns, voices, lines)
+
+
+def test_identity_split_keeps_two_people_apart(tmp_path, real_voices):
+    cfg = cfg_for(tmp_path)
+    assert cfg.trigger.identity_split  # on by default
+    store = SQLiteMemoryStore(cfg.memory.database)
+    mgr = build_manager(cfg, store, labeler=SpanLabeler((10, 330)))
+    chunk = switch_chunk(real_voices)
+    assert mgr.sessions_of(chunk) == [(10, 169), (182, 330)]  # cut in the 1 s pause before B speaks
+    out = mgr.process_chunk(chunk)
+    assert [o.status for o in out] == ["committed", "committed"] and all(o.new_user for o in out)
+    arthur, bruno = (store.get_user(o.user_id) for o in out)
+    assert (arthur.name, bruno.name) == ("Arthur", "Bruno")
+    assert [f.text for f in store.facts(arthur.user_id)] == ["lives in Oslo"]
+    assert store.preferences(arthur.user_id) == []  # B's chess never reaches A's profile
+    assert [(p.text, p.polarity) for p in store.preferences(bruno.user_id)] == [("chess", "like")]
+    assert store.facts(bruno.user_id) == []
+    # each new user's voice key is their own voice, not a blend: nearer their own windows
+    key = {o.user_id: store.list_keys(user_id=o.user_id, modality="voice")[0].vector for o in out}
+    mean = {w: np.mean(real_voices[w], axis=0) for w in "AB"}
+    assert float(key[arthur.user_id] @ mean["A"]) > float(key[arthur.user_id] @ mean["B"])
+    assert float(key[bruno.user_id] @ mean["B"]) > float(key[bruno.user_id] @ mean["A"])
+    assert [o.status for o in mgr.process_chunk(chunk)] == ["already_done"] * 2  # idempotent
+
+    # without the split the same chunk is ONE session and one profile gets both people's memories
+    off = cfg_for(tmp_path / "off")
+    off.trigger.identity_split = False
+    store2 = SQLiteMemoryStore(off.memory.database)
+    merged = build_manager(off, store2, labeler=SpanLabeler((10, 330))).process_chunk(chunk)
+    assert len(merged) == 1
+    assert [f.text for f in store2.facts(merged[0].user_id)] == ["lives in Oslo"]
+    assert [p.text for p in store2.preferences(merged[0].user_id)] == ["chess"]
+
+
+def test_identity_split_leaves_one_person_across_a_long_pause(tmp_path, real_voices):
+    cfg = cfg_for(tmp_path)
+    store = SQLiteMemoryStore(cfg.memory.database)
+    mgr = build_manager(cfg, store, labeler=SpanLabeler((10, 330)))
+    turns = [("A", "user", 10, 59), ("A", "assistant", 64, 99),  # 5 s of silence, then A again
+             ("A", "user", 162, 209), ("A", "assistant", 214, 249), ("A", "user", 254, 330)]
+    chunk = talk_chunk("pause", turns, real_voices, [(12, "Hi, my name is Arthur."), (256, "I live in Oslo.")])
+    assert len(chunk.voices) >= 8
+    assert mgr.sessions_of(chunk) == [(10, 330)]
+    out = mgr.process_chunk(chunk)
+    assert len(out) == 1 and store.get_user(out[0].user_id).name == "Arthur"

@@ -1,6 +1,6 @@
 """The memory manager: a recorded stream chunk in, durable per-user memories out (DESIGN.md §7).
 
-    tokens -> trigger labels -> sessions -> for each session:
+    tokens -> trigger labels -> sessions -> identity split (one person per session) -> for each session:
         identify the user (face / voice keys) -> transcript (ASR or client + monologue)
         -> extractor -> new user (keys + initial profile) | update agent (conflicts, reasons)
         -> one atomic `commit_session` (with the session row: the idempotency mark)
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from egomem.memory.sqlite_store import derived_id
 from egomem.memory.store import MemoryStore, VersionConflict
 from egomem.memory.transcribe import Transcriber
 from egomem.memory.types import ItemDecision, NewKey, Provenance, SessionCommit
+
+if TYPE_CHECKING:  # imported lazily: `egomem.trigger` pulls in torch, and the orchestrator imports egomem.memory
+    from egomem.trigger.identity_split import Piece, SplitRule
 
 log = logging.getLogger(__name__)
 
@@ -44,31 +47,48 @@ class SessionOutcome:
 class MemoryManager:
     def __init__(self, store: MemoryStore, labeler: TriggerLabeler, identifier: Identifier, extractor: Extractor,
                  updater: UpdateAgent, transcriber: Transcriber, face_model_id: str, voice_model_id: str,
-                 trigger_chunk_steps: int = 8192, max_conflict_retries: int = 5):
+                 trigger_chunk_steps: int = 8192, max_conflict_retries: int = 5, split_rule: SplitRule | None = None):
         self.store, self.labeler, self.identifier = store, labeler, identifier
         self.extractor, self.updater, self.transcriber = extractor, updater, transcriber
         self.models = {"face": face_model_id, "voice": voice_model_id}
         self.window = trigger_chunk_steps
         self.max_conflict_retries = max_conflict_retries
+        self.split_rule = split_rule  # None: trigger sessions as decoded (trigger.identity_split = false)
+
+    def pieces_of(self, chunk: StreamChunk) -> list[Piece]:
+        """The chunk's sessions, each holding one person, with the polls that belong to it."""
+        from egomem.trigger.identity_split import Piece, split_sessions
+
+        sessions = decode_sessions(label_stream(self.labeler, chunk.tokens, self.window))
+        if self.split_rule is None:
+            within = lambda track, a, b: [t for t, _ in track if a <= t <= b]  # noqa: E731
+            return [Piece(a, b, within(chunk.faces, a, b), within(chunk.voices, a, b)) for a, b in sessions]
+        return split_sessions(sessions, chunk.tokens, chunk.faces, chunk.voices, self.split_rule)
 
     def sessions_of(self, chunk: StreamChunk) -> list[tuple[int, int]]:
-        return decode_sessions(label_stream(self.labeler, chunk.tokens, self.window))
+        return [(p.start, p.end) for p in self.pieces_of(chunk)]
 
     def process_chunk(self, chunk: StreamChunk, job_id: str | None = None,
                       on_progress: Callable[[], None] | None = None) -> list[SessionOutcome]:
         out = []
-        for start, end in self.sessions_of(chunk):
-            out.append(self.process_session(chunk, start, end, job_id))
+        for p in self.pieces_of(chunk):
+            out.append(self.process_session(chunk, p.start, p.end, job_id, (p.face_steps, p.voice_steps)))
             if on_progress is not None:
                 on_progress()  # e.g. extend the job's lease
         return out
 
-    def process_session(self, chunk: StreamChunk, start: int, end: int, job_id: str | None = None) -> SessionOutcome:
+    def process_session(self, chunk: StreamChunk, start: int, end: int, job_id: str | None = None,
+                        evidence: tuple[list[int], list[int]] | None = None) -> SessionOutcome:
+        """One session; `evidence` = the (face, voice) poll steps that belong to it (from the identity
+        split; default: every poll in start..end). Ids derive from start/end only: re-runs agree."""
         sid = derived_id("session", chunk.stream_id, chunk.chunk_index, start, end)
         done = self.store.get_session(sid)
         if done is not None:
             return SessionOutcome(sid, start, end, done.user_id, "already_done")
-        faces, voices = chunk.embeddings("faces", start, end), chunk.embeddings("voices", start, end)
+        if evidence is None:
+            faces, voices = chunk.embeddings("faces", start, end), chunk.embeddings("voices", start, end)
+        else:
+            faces, voices = _rows(chunk.faces, evidence[0]), _rows(chunk.voices, evidence[1])
         face, voice = mean_direction(faces), mean_direction(voices)  # the session's [D] each, or None
         found = user_of(self.identifier.identify(None if face is None else face[None], voice))  # face [1, D]
         user = self.store.resolve_user(found) if found else None
@@ -132,6 +152,13 @@ class MemoryManager:
             llm_model=",".join(sorted({i.model for i in infos})),
             prompt_hash=hashes or None,
         )
+
+
+def _rows(track: list[tuple[int, np.ndarray]], steps: list[int]) -> np.ndarray:
+    """[N, D] embeddings of the polls at `steps` (the identity split's attribution)."""
+    keep = set(steps)
+    rows = [np.asarray(v, np.float32) for t, v in track if t in keep]
+    return np.stack(rows) if rows else np.zeros((0, 0), np.float32)
 
 
 def _has_content(ex: Extraction) -> bool:

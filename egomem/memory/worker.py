@@ -16,10 +16,10 @@ import threading
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egomem.memory.agents import LLMExtractor, LLMUpdateAgent
-from egomem.memory.chunk import JOB_KIND, StreamChunk
+from egomem.memory.chunk import JOB_KIND, STEP_S, StreamChunk
 from egomem.memory.identify import Identifier, StoreIdentifier
 from egomem.memory.llm import LLMClient
 from egomem.memory.manager import MemoryManager
@@ -28,6 +28,9 @@ from egomem.memory.segment import TriggerLabeler
 from egomem.memory.store import MemoryStore, open_store
 from egomem.memory.transcribe import Transcriber
 from egomem.memory.types import Job
+
+if TYPE_CHECKING:
+    from egomem.trigger.identity_split import SplitRule
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,29 @@ def build_manager(cfg: Any, store: MemoryStore, labeler: TriggerLabeler | None =
     return MemoryManager(
         store, labeler or default_labeler(cfg),
         identifier or StoreIdentifier(store, m.face_model_id, m.voice_model_id, m.face_threshold, m.voice_threshold),
-        extractor, updater, Transcriber(cfg.llm), m.face_model_id, m.voice_model_id, m.trigger_chunk_steps)
+        extractor, updater, Transcriber(cfg.llm), m.face_model_id, m.voice_model_id, m.trigger_chunk_steps,
+        split_rule=split_rule(cfg) if cfg.trigger.identity_split else None)
+
+
+def split_rule(cfg: Any) -> SplitRule:
+    """The identity split's thresholds: those of the configured identification models ([identity]),
+    voice scores s-normed with the same cohort; the voice window of the orchestrator's polls."""
+    from egomem.identity.errors import ModelFilesMissing
+    from egomem.identity.identify import VOICE_MODEL_IDS
+    from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
+    from egomem.trigger.identity_split import SplitRule
+
+    i = cfg.identity
+    face = i.face_threshold_dlib if i.face_backend == "dlib" else i.face_threshold_deepface
+    voice = i.voice_threshold_resemblyzer if i.voice_backend == "resemblyzer" else i.voice_threshold_wavlm
+    try:
+        snorm = AdaptiveSNorm.from_file(i.cohort_file or default_cohort_file(VOICE_MODEL_IDS[i.voice_backend]),
+                                        i.cohort_top_k, i.cohort_size)
+    except ModelFilesMissing as e:
+        raise ModelFilesMissing(f"{e} (the memory manager's identity split scores voices with it; "
+                                "or set trigger.identity_split = false)") from e
+    return SplitRule(face, voice, snorm, min_polls=cfg.trigger.split_min_polls,
+                     window_steps=int(round(cfg.orchestrator.identify_window_s / STEP_S)))
 
 
 def process_next_job(manager: MemoryManager, cfg: Any, worker_id: str) -> Job | None:

@@ -2,6 +2,8 @@
 
 `TriggerLabeler(cfg).label(tokens[T, 17]) -> labels[T]` (0 no dialog, 1 start, 2 in session, 3 end)
 and `decode_sessions(labels) -> [(start, end)]`. Training: `egomem.trigger.train` (`egomem train-trigger`).
+`egomem.trigger.identity_split` then splits a session where the recorded face/voice polls say the person
+changed (the memory manager does this, so no session mixes two people).
 """
 
 from egomem.trigger.decode import decode_sessions

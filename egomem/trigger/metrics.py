@@ -29,21 +29,52 @@ def jaccard(pred: list[Span], gold: list[Span]) -> float:
     return len(p & g) / len(p | g)
 
 
-def count_matches(pred: list[Span], gold: list[Span], n: int) -> int:
-    """One-to-one matches with |Δstart| <= n and |Δend| <= n, greedy by smallest total error."""
+def match_pairs(pred: list[Span], gold: list[Span], n: int) -> list[tuple[int, int]]:
+    """One-to-one (pred index, gold index) matches with |Δstart| <= n and |Δend| <= n, greedy by
+    smallest total error."""
     cands = sorted(
         (abs(p[0] - g[0]) + abs(p[1] - g[1]), i, j)
         for i, p in enumerate(pred)
         for j, g in enumerate(gold)
         if abs(p[0] - g[0]) <= n and abs(p[1] - g[1]) <= n
     )
-    used_p, used_g, m = set(), set(), 0
+    used_p, used_g, pairs = set(), set(), []
     for _, i, j in cands:
         if i not in used_p and j not in used_g:
             used_p.add(i)
             used_g.add(j)
-            m += 1
-    return m
+            pairs.append((i, j))
+    return pairs
+
+
+def count_matches(pred: list[Span], gold: list[Span], n: int) -> int:
+    return len(match_pairs(pred, gold, n))
+
+
+def _overlap(a: Span, b: Span) -> int:
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]) + 1)
+
+
+def error_breakdown(preds: list[list[Span]], golds: list[list[Span]], n: int = 5) -> dict[str, int]:
+    """What happened to each gold session, summed over streams (the first that applies):
+    matched (span_match@n), merged (the predicted span overlapping it most also overlaps another
+    gold session), split (two or more predicted spans overlap it), missed (none does), shifted."""
+    out = {"matched": 0, "merged": 0, "split": 0, "shifted": 0, "missed": 0}
+    for pred, gold in zip(preds, golds):
+        matched = {j for _, j in match_pairs(pred, gold, n)}
+        for j, g in enumerate(gold):
+            over = [(_overlap(p, g), i) for i, p in enumerate(pred) if _overlap(p, g) > 0]
+            if j in matched:
+                out["matched"] += 1
+            elif not over:
+                out["missed"] += 1
+            elif any(_overlap(pred[max(over)[1]], h) > 0 for k, h in enumerate(gold) if k != j):
+                out["merged"] += 1
+            elif len(over) >= 2:
+                out["split"] += 1
+            else:
+                out["shifted"] += 1
+    return out
 
 
 def evaluate(preds: list[list[Span]], golds: list[list[Span]], ns: tuple[int, ...] = (0, 5, 10)) -> dict:

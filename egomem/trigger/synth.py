@@ -22,6 +22,17 @@ cached code sequences (encoding each synthetic stream's audio would cost ~100x m
     seam is not reproduced (accepted: seams sit at pauses, where the signal is near silence).
 Splits: users = cohort speakers sorted by id, first 200 train / rest held out; assistant = each
 test-other speaker's utterances sorted, first 7 train / last 3 held out.
+
+Voice evidence (what the orchestrator's 2 s polling loop records, for the identity split and its
+benchmark): every user utterance also carries GE2E (Resemblyzer) embeddings of 1.6 s partials taken
+every 10 steps (0.8 s, about Resemblyzer's own 1.3 partials/s), of the clean and of the noised audio.
+`poll_voices` then plays the polling loop over a stream: every 25 steps (2 s) the voice embedding of
+the user's speech in the last 3 s = the normalised mean of the partials heard inside that window
+(a partial counts when >= 75 % of it was heard, Resemblyzer's coverage rule for a last partial; when
+none is, the most-heard one, as Resemblyzer pads speech shorter than a partial), or nothing when the
+window holds under 1 s of user speech (the encoder's `min_voiced_s` gate). A window
+that straddles two users averages both, as the real encoder does over the concatenated speech.
+Not modelled: the assistant's echo reaching the voice encoder, and noise-only windows passing the VAD.
 """
 
 from __future__ import annotations
@@ -37,7 +48,9 @@ from egomem.trigger.model import END, IN_SESSION, NO_DIALOG, START
 
 STEP_S = 0.08
 TEXT_PAD = 3  # moshi's existing_text_padding_id
-CACHE_VERSION = 3  # 2: per-utterance frame activity ("vad"); 3: 48/12 noise clips
+CACHE_VERSION = 4  # 2: per-utterance frame activity ("vad"); 3: 48/12 noise clips; 4: GE2E voice partials
+VOICE_PARTIAL_STEPS = 20  # one GE2E partial utterance: 1.6 s
+VOICE_HOP_STEPS = 10  # a partial every 0.8 s (Resemblyzer's embed_utterance takes 1.3 per second)
 N_TRAIN_USERS = 200
 N_TRAIN_ASSISTANT_UTTS = 7
 
@@ -54,7 +67,10 @@ def _steps(seconds: float) -> int:
 class CodeCache:
     """Mimi codes [T, 8] int16 of every source, one split. Noised variants align step-for-step."""
 
-    users: list[dict[str, np.ndarray]] = field(default_factory=list)  # per speaker: clean, noisy, vad
+    # per speaker: clean, noisy, vad, and voice_clean / voice_noisy: GE2E partials [P, 256] uint8
+    # (partial p covers steps [p * VOICE_HOP_STEPS, + VOICE_PARTIAL_STEPS); unit vectors scaled to 255
+    # per row: GE2E embeddings are non-negative (ReLU), and a row's scale is lost to normalisation anyway)
+    users: list[dict[str, np.ndarray]] = field(default_factory=list)
     assistant: list[dict[str, np.ndarray]] = field(default_factory=list)  # + echo, echo_noisy
     silence: np.ndarray | None = None  # codes of digital near-silence (steady state)
     noise: list[np.ndarray] = field(default_factory=list)  # noise-only clips
@@ -155,8 +171,10 @@ def frame_activity(x: np.ndarray, rel_db: float = -35.0) -> np.ndarray:
     return db > np.percentile(db, 95) + rel_db
 
 
-def build_cache(data_root: Path, split: str, codec, seed: int, max_seconds: float | None = None) -> CodeCache:
-    """Encode every source of a split once (clean + noised variants, echo variants, fillers)."""
+def build_cache(data_root: Path, split: str, codec, seed: int, max_seconds: float | None = None,
+                voice_encoder=None) -> CodeCache:
+    """Encode every source of a split once (clean + noised variants, echo variants, fillers), and the
+    GE2E voice partials of every user utterance (`voice_encoder`: default the offline Resemblyzer)."""
     from tqdm import tqdm
 
     from egomem.trigger.codec import codec_fingerprint, encode
@@ -165,20 +183,50 @@ def build_cache(data_root: Path, split: str, codec, seed: int, max_seconds: floa
     users, assistant = source_files(data_root, split)
     cache = CodeCache(fingerprint=codec_fingerprint(codec))
     cap = None if max_seconds is None else int(max_seconds * 24_000)
+    voice = voice_encoder if voice_encoder is not None else _default_voice_encoder()
     for p in tqdm(users + assistant, desc=f"encode {split} sources", unit="utt"):
         x = _load_24k(p)[:cap]
         x = x / (np.abs(x).max() + 1e-9) * 10 ** rng.uniform(-1.0, -0.3)  # level variety
-        entry = {"clean": encode(codec, x), "noisy": encode(codec, _noisy(rng, x)), "vad": frame_activity(x)}
+        noisy = _noisy(rng, x)
+        entry = {"clean": encode(codec, x), "noisy": encode(codec, noisy), "vad": frame_activity(x)}
         if p in assistant:
             e = x * rng.uniform(0.02, 0.2)
             entry["echo"] = encode(codec, e)
             entry["echo_noisy"] = encode(codec, e + _noise_like(rng, x))  # noise at the speech's SNR, not the echo's
             cache.assistant.append(entry)
         else:
+            entry["voice_clean"], entry["voice_noisy"] = voice_partials(voice, x), voice_partials(voice, noisy)
             cache.users.append(entry)
     cache.silence = encode(codec, rng.standard_normal(24_000 * 4).astype(np.float32) * 1e-4)[8:]
     cache.noise = noise_clips(codec, split, seed)
     return cache
+
+
+def _default_voice_encoder():
+    from egomem.config import IdentityConfig
+    from egomem.identity.voice import ResemblyzerEncoder, VoiceActivity
+
+    cfg = IdentityConfig()
+    return ResemblyzerEncoder(cfg.voice_threshold_resemblyzer, VoiceActivity(cfg.vad_threshold))
+
+
+def voice_partials(encoder, x24k: np.ndarray) -> np.ndarray:
+    """GE2E embeddings of 1.6 s partials of 24 kHz audio every VOICE_HOP_STEPS steps -> [P, D] uint8.
+
+    Each partial is embedded alone by the encoder's `embed_speech` (one 1.6 s clip = exactly one GE2E
+    partial), so these are the vectors the served speaker encoder averages."""
+    from egomem.identity.voice import to_16k
+
+    x = to_16k(np.asarray(x24k, np.float32), 24_000)
+    per_step = 1280  # 80 ms at 16 kHz
+    n_steps = len(x) // per_step
+    rows = []
+    for a in range(0, max(1, n_steps - VOICE_PARTIAL_STEPS + 1), VOICE_HOP_STEPS):
+        seg = x[a * per_step:(a + VOICE_PARTIAL_STEPS) * per_step]
+        seg = np.pad(seg, (0, VOICE_PARTIAL_STEPS * per_step - len(seg)))
+        e = np.maximum(np.asarray(encoder.embed_speech(seg), np.float32), 0.0)
+        rows.append(np.round(e / max(float(e.max()), 1e-12) * 255))
+    return np.stack(rows).astype(np.uint8)  # [P, D]
 
 
 def noise_clips(codec, split: str, seed: int) -> list[np.ndarray]:
@@ -246,15 +294,37 @@ def _fill(rng: np.random.Generator, filler: np.ndarray, T: int) -> np.ndarray:
     return tiled[a:a + T]
 
 
+@dataclass
+class SynthStream:
+    """A synthetic recorded stream and who spoke where (the ground truth the identity split needs)."""
+
+    tokens: np.ndarray  # [T, 17] int64
+    labels: np.ndarray  # [T] int64 gold trigger labels
+    sessions: list[tuple[int, int]]  # gold sessions (start, end inclusive)
+    session_users: list[int]  # the user (cache.users index) of each gold session
+    speaker: np.ndarray  # [T] int64: cache.users index whose speech is on the listen channel, -1 none
+    speaker_pos: np.ndarray  # [T] int64: that utterance's step there, -1 none
+    noised: bool
+
+
 def synth_stream(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, noised: bool
                  ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
     """One stream: tokens [T, 17] int64, labels [T] int64, gold sessions [(start, end inclusive)]."""
+    s = synth_recorded(cache, rng, spec, noised)
+    return s.tokens, s.labels, s.sessions
+
+
+def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, noised: bool) -> SynthStream:
+    """One stream with its speaker ground truth; draws exactly what `synth_stream` draws from `rng`."""
     T = spec.steps
     u = lambda r: rng.uniform(*r)  # noqa: E731
     var = "noisy" if noised else "clean"
     listen_bg = _fill(rng, cache.noise[rng.integers(len(cache.noise))] if noised else cache.silence, T)
     listen = listen_bg.copy()
     user_mask = np.zeros(T, bool)  # where the user's own speech was written
+    speaker = np.full(T, -1, np.int64)
+    speaker_pos = np.full(T, -1, np.int64)
+    session_users: list[int] = []
     speak = _fill(rng, cache.silence, T)
     text = np.full(T, TEXT_PAD, np.int64)
     labels = np.full(T, NO_DIALOG, np.int64)
@@ -286,6 +356,8 @@ def synth_stream(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, n
             if who == 0:
                 listen[a:b] = src[var][lo:hi]
                 user_mask[a:b] = True
+                speaker[a:b] = user
+                speaker_pos[a:b] = np.arange(lo, hi)
             else:
                 speak[a:b] = src["clean"][lo:hi]
                 k = a
@@ -305,6 +377,7 @@ def synth_stream(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, n
         labels[s_start + 1:s_end] = IN_SESSION
         labels[s_end] = END
         sessions.append((s_start, s_end))
+        session_users.append(user)
         if rng.random() < spec.switch_p and len(cache.users) > 1:
             user = (user + 1 + int(rng.integers(len(cache.users) - 1))) % len(cache.users)
             t = s_end + 1 + _steps(u(spec.switch_gap_s))
@@ -313,8 +386,53 @@ def synth_stream(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, n
             t = s_end + 1 + _steps(u(spec.gap_s))
         if t >= T - _steps(spec.turn_s[0]) * 2:
             break
-    tokens = np.concatenate([text[:, None], speak.astype(np.int64), listen.astype(np.int64)], axis=1)
-    return tokens, labels, sessions  # [T,17], [T], spans
+    tokens = np.concatenate([text[:, None], speak.astype(np.int64), listen.astype(np.int64)], axis=1)  # [T,17]
+    return SynthStream(tokens, labels, sessions, session_users, speaker, speaker_pos, noised)
+
+
+def poll_voices(cache: CodeCache, stream: SynthStream, poll_steps: int = 25, window_steps: int = 38,
+                min_voiced_steps: int = 13, first_poll: int = 24) -> list[tuple[int, np.ndarray]]:
+    """The (step, voice embedding [D]) track the orchestrator's polling loop records for this stream.
+
+    Defaults follow the orchestrator's: a poll every 2 s (25 steps; the first one 2 s after the
+    stream opened, recorded at step 24), the last 3 s of the user's audio (38 steps), and the
+    speaker encoder's gate of 1 s of speech (13 steps, counted with each utterance's activity mask).
+    The embedding is the normalised mean of the cached GE2E partials heard in the window (module
+    docstring); a noised stream uses the partials of the noised audio."""
+    key = "voice_noisy" if stream.noised else "voice_clean"
+    if any(key not in u for u in cache.users):
+        raise ValueError(f"code cache has no '{key}' voice partials; rebuild it (CACHE_VERSION {CACHE_VERSION})")
+    min_cover = int(np.ceil(0.75 * VOICE_PARTIAL_STEPS))  # Resemblyzer keeps a partial >= 75 % full
+    out: list[tuple[int, np.ndarray]] = []
+    T = stream.tokens.shape[0]
+    for t in range(first_poll, T, poll_steps):
+        lo = max(0, t - window_steps + 1)
+        spk, pos = stream.speaker[lo:t + 1], stream.speaker_pos[lo:t + 1]  # [W] each
+        heard = np.flatnonzero(spk >= 0)
+        if heard.size == 0:
+            continue
+        voiced = sum(int(cache.users[int(spk[i])]["vad"][int(pos[i])]) for i in heard)
+        if voiced < min_voiced_steps:
+            continue
+        rows, best = [], (0, None)  # best: the most-covered partial, for speech shorter than one partial
+        for u in np.unique(spk[heard]):
+            steps = pos[spk == u]  # utterance steps of user u heard in the window
+            parts = cache.users[int(u)][key]
+            for p in range(parts.shape[0]):
+                a = p * VOICE_HOP_STEPS
+                cover = int(np.count_nonzero((steps >= a) & (steps < a + VOICE_PARTIAL_STEPS)))
+                v = parts[p].astype(np.float32)
+                v = v / max(float(np.linalg.norm(v)), 1e-12)
+                if cover >= min_cover:
+                    rows.append(v)
+                if cover > best[0]:
+                    best = (cover, v)
+        if not rows and best[1] is not None:
+            rows = [best[1]]  # Resemblyzer embeds speech shorter than a partial as one zero-padded partial
+        if rows:
+            m = np.mean(rows, axis=0)
+            out.append((t, (m / max(float(np.linalg.norm(m)), 1e-12)).astype(np.float32)))
+    return out
 
 
 def synth_batch(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, batch: int,
