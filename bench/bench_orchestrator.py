@@ -2,9 +2,12 @@
 
 Per N (client view, after a warm-up): per-frame latency p50/p90/p99, goodput (share of output frames
 answered within 80 ms), time to first audio, real-time factor; and the largest N that stays real
-time (goodput >= --realtime-goodput). Peer, measured in the same run: the same codec + dialog model
-stepped in-process (no Triton, no WebSocket, batched like the served models), whose per-tick time is
-the floor; the ratio (orchestrator p50 frame latency / in-process p50 tick) is the serving overhead.
+time (goodput >= --realtime-goodput). Peers, measured right after each served run (a shared host's
+speed drifts): the same codec + dialog model stepped in-process (no Triton, no WebSocket, batched like
+the served models), whose per-tick time is the floor; and the same models driven straight through
+Triton's gRPC API in the grid clock's lockstep (no orchestrator, no WebSocket, no Opus). The ratios
+(served tick / in-process tick, Triton-only tick / in-process tick) split the serving overhead into
+Triton's share and the orchestrator's.
 
 CPU: every model process (and the in-process peer) runs one torch/OpenMP thread (egomem.serving.launcher: one thread per CPU model process).
 
@@ -180,6 +183,38 @@ async def served(url: str, token: str, n: int, seconds: float, warmup_s: float, 
             "errors": sorted({e for r in runs for e in r["errors"]})}
 
 
+async def triton_lockstep(grpc_url: str, n: int, steps: int, warmup: int) -> dict:
+    """The served models without the orchestrator: N sequences stepped in lockstep straight through
+    Triton's gRPC API, in the grid clock's two phases (encodes; then dialog steps + voice decodes).
+    Splits the serving overhead into Triton's share and the orchestrator's (WebSocket, Opus, Python)."""
+    from egomem.serving.client import AsyncTritonClient
+
+    outs = ["TEXT_TOKEN", "SPEAK_CODES", "TEXT_PIECE"]
+    pcm = (0.2 * np.sin(2 * np.pi * 220 * np.arange(P.FRAME_SAMPLES) / P.SAMPLE_RATE)).astype(np.float32)[None]
+    seqs = [(1 << 40) + (os.getpid() << 8) + n * 64 + i for i in range(n)]  # clear of the orchestrator's ids
+    speak, times = None, []
+    async with AsyncTritonClient(grpc_url, timeout_s=30) as c:
+        for t in range(steps + warmup):
+            t0 = time.perf_counter()
+            enc = await asyncio.gather(*[c.infer("mimi_codec", {"PCM": pcm}, ["CODES"], s, start=t == 0) for s in seqs])
+            calls = [c.infer("dialog_lm", {"LISTEN_CODES": e["CODES"].astype(np.int64)}, outs, s, start=t == 0)
+                     for s, e in zip(seqs, enc)]
+            if speak is not None:
+                calls += [c.infer("mimi_codec", {"CODES_IN": sp[None]}, ["AUDIO"], s) for s, sp in zip(seqs, speak)]
+            res = await asyncio.gather(*calls)
+            sp = [r["SPEAK_CODES"].reshape(-1) for r in res[:n]]
+            speak = sp if all((x >= 0).all() for x in sp) else None
+            dt = time.perf_counter() - t0
+            if t >= warmup:
+                times.append(dt)
+            await asyncio.sleep(max(0.0, P.TICK_S - dt))  # real-time pace, as the grid clock keeps
+        await asyncio.gather(*[c.infer("mimi_codec", {"PCM": pcm}, ["CODES"], s, end=True) for s in seqs])
+        await asyncio.gather(*[c.infer("dialog_lm", {"LISTEN_CODES": np.zeros((1, 8), np.int64)}, ["STEP"], s, end=True)
+                               for s in seqs])
+    a = np.asarray(times) * 1e3
+    return {"streams": n, "tick_ms": pct(a)}
+
+
 def in_process(cfg, n: int, steps: int, warmup: int, device: str) -> dict:
     """The same codec + dialog model stepped in this process: one batched encode, step, decode per tick."""
     import torch
@@ -226,6 +261,7 @@ def plot(result: dict, path: Path) -> None:
     for q, style in (("p50", "-o"), ("p99", "--o")):
         a1.plot(ns, [r["latency_ms"].get(q, np.nan) for r in result["served"]], style, label=f"frame latency {q}")
     a1.plot(ns, [r["server_tick_ms_mean"] for r in result["served"]], "-s", label="served tick (mean)")
+    a1.plot(ns, [r["tick_ms"]["mean"] for r in result["triton_only"]], "-d", label="Triton-only tick (mean)")
     a1.plot(ns, [r["tick_ms"]["mean"] for r in result["in_process"]], "-^", label="in-process tick (mean)")
     a1.axhline(80, color="grey", lw=0.8)
     a1.set_xlabel("concurrent streams")
@@ -277,7 +313,7 @@ def main() -> None:
 
     result: dict = {"device": args.device, "preset": args.preset, "seconds": args.seconds, "served": [],
                     "tick_clock": args.tick_clock,
-                    "in_process": []}
+                    "triton_only": [], "in_process": []}
     with Stack(cfg, models=["mimi_codec", "dialog_lm"], worker=False) as stack:
         for n in args.streams:
             asyncio.run(wait_idle(stack.url, stack.tokens["admin"]))
@@ -292,13 +328,18 @@ def main() -> None:
             r["triton"] = stats_delta(st0, st1)
             print(f"served     N={n:3d}  {r}", flush=True)
             result["served"].append(r)
-            # the peer right after, with the stack idle: a shared host's speed drifts over minutes, so
-            # the two sides of a ratio are measured next to each other
+            # the peers right after, with the stack idle: a shared host's speed drifts over minutes, so
+            # the sides of a ratio are measured next to each other
+            asyncio.run(wait_idle(stack.url, stack.tokens["admin"]))  # the served streams' slots are free again
+            tl = asyncio.run(triton_lockstep(stack.triton.grpc_url, n, args.inproc_steps, 10))
+            print(f"Triton only N={n:3d}  {tl}", flush=True)
+            result["triton_only"].append(tl)
             r = in_process(cfg, n, args.inproc_steps, 10, args.device)
             print(f"in-process N={n:3d}  {r}", flush=True)
             result["in_process"].append(r)
-    for s, ip in zip(result["served"], result["in_process"]):
+    for s, tl, ip in zip(result["served"], result["triton_only"], result["in_process"]):
         s["overhead_ratio_tick"] = round(s["server_tick_ms_mean"] / ip["tick_ms"]["mean"], 2)
+        s["overhead_ratio_triton_only"] = round(tl["tick_ms"]["mean"] / ip["tick_ms"]["mean"], 2)
         if s["rtf"] and ip["rtf"]:  # defined even when neither keeps up (a saturated box)
             s["overhead_ratio_rtf"] = round(max(s["rtf"], 1.0) / max(ip["rtf"], 1.0), 2)
     rt = [r["streams"] for r in result["served"] if r["goodput"] >= args.realtime_goodput]
@@ -309,13 +350,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
-    print("\n  N | p50 ms | p90 ms | p99 ms | goodput | TTFA ms | RTF   | served tick | in-proc tick | ratio tick | ratio RTF")
-    for s, ip in zip(result["served"], result["in_process"]):
+    print("\n  N | p50 ms | p90 ms | p99 ms | goodput | TTFA ms | RTF   | served tick | Triton-only tick | in-proc tick "
+          "| ratio tick | ratio Triton-only | ratio RTF")
+    for s, tl, ip in zip(result["served"], result["triton_only"], result["in_process"]):
         lm = s["latency_ms"] or {}
         print(f"{s['streams']:3d} | {lm.get('p50', float('nan')):6.1f} | {lm.get('p90', float('nan')):6.1f} | "
               f"{lm.get('p99', float('nan')):6.1f} | {s['goodput']:7.3f} | {s['ttfa_ms']} | {s['rtf']} | "
-              f"{s['server_tick_ms_mean']:11.1f} | {ip['tick_ms']['mean']:12.1f} | {s['overhead_ratio_tick']:10.2f} | "
-              f"{s.get('overhead_ratio_rtf')}")
+              f"{s['server_tick_ms_mean']:11.1f} | {tl['tick_ms']['mean']:16.1f} | {ip['tick_ms']['mean']:12.1f} | "
+              f"{s['overhead_ratio_tick']:10.2f} | {s['overhead_ratio_triton_only']:17.2f} | {s.get('overhead_ratio_rtf')}")
     print(f"largest real-time N: served {result['max_realtime_streams_served']}, "
           f"in-process {result['max_realtime_streams_in_process']}   -> {out}")
 

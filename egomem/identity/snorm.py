@@ -47,7 +47,7 @@ class AdaptiveSNorm:
         if not p.is_file():
             raise ModelFilesMissing(
                 f"s-norm cohort file {p} is missing; build it with "
-                "`python -m egomem.identity.cohort_build --audio-dir <cohort speech> --out {p}`"
+                f"`python -m egomem.identity.cohort_build --audio-dir <cohort speech> --out {p}`"
             )
         return cls(np.load(p), top_k, cohort_size)
 
