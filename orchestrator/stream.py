@@ -1,6 +1,7 @@
 """One chat stream's loops: the 12.5 Hz dialog tick, the 2 s polling loop, query detection, recording.
 
-Dialog tick (every 80 ms on the stream's own clock, DESIGN.md §8):
+Dialog tick (every 80 ms, DESIGN.md §8; driven by the grid clock shared by all streams, orchestrator/grid.py,
+or with `tick_clock = "input"` by the stream's own loop):
   1. take 1920 samples of client audio; none ready -> silence is fed (a late frame), the model keeps talking;
   2. `mimi_codec`: encode this frame -> listen codes;
   3. at once, side by side: `dialog_lm` (listen codes in, + a pending MemChunk refresh -> text token +
