@@ -114,3 +114,34 @@ def test_viterbi_keeps_clean_sequences_and_repairs_broken_ones():
         lp = np.log(rng.dirichlet(np.ones(4), size=200))
         out = viterbi_labels(lp)
         np.testing.assert_array_equal(sessions_to_labels(decode_sessions(out, max_gap=10**9, min_len=1), 200), out)
+
+
+def test_viterbi_min_gap_keeps_short_pauses_inside_one_session():
+    from egomem.trigger.decode import viterbi_labels
+
+    def logp(labels: str) -> np.ndarray:
+        """A tagger's log-probabilities: 0.7 on the given label; start/end are rare otherwise."""
+        p = np.tile([0.1, 0.05, 0.15, 0.05], (len(labels), 1))
+        p[np.arange(len(labels)), [int(c) for c in labels]] = 0.7
+        return np.log(p)
+
+    # a tagger that hesitates: an end, 5 steps of no dialog, a start, inside what is one conversation
+    labels = "0" * 3 + "1" + "2" * 8 + "3" + "0" * 5 + "1" + "2" * 8 + "3" + "0" * 30 + "1" + "2" * 6 + "3" + "00"
+    lp = logp(labels)
+    plain = decode_sessions(viterbi_labels(lp), min_len=1)
+    assert len(plain) == 3  # min_gap 1: the 5-step pause splits the first conversation
+    gapped = decode_sessions(viterbi_labels(lp, min_gap=10, min_len=8), min_len=1)
+    assert len(gapped) >= 2 and gapped[-1] == (58, 65)  # the 30-step gap is a real gap
+    for (a0, a1), (b0, b1) in zip(gapped, gapped[1:]):  # sessions touch (a switch) or are >= 10 steps apart
+        assert b0 == a1 + 1 or b0 - a1 - 1 >= 10
+    assert all(b - a + 1 >= 8 for a, b in gapped)  # none shorter than min_len
+    # a tagger that sees the pause as dialog (uncertain, not rare labels): one conversation
+    unsure = logp(labels)
+    unsure[13:18] = np.log([0.4, 0.05, 0.5, 0.05])
+    assert decode_sessions(viterbi_labels(unsure, min_gap=10, min_len=8), min_len=1)[0] == (3, 27)
+    # an end followed at once by a start (a user switch) stays two sessions whatever the gap rule
+    switch = "01" + "2" * 5 + "31" + "2" * 5 + "30"
+    assert decode_sessions(viterbi_labels(logp(switch), min_gap=10, min_len=5), min_len=1) == [(1, 7), (8, 14)]
+    assert decode_sessions(viterbi_labels(logp(switch), min_len=8), min_len=1) == [(1, 14)]  # too short apart
+    out = viterbi_labels(lp, min_gap=10, min_len=8)  # still a well-formed sequence
+    assert decode_sessions(out, min_len=1) == decode_sessions(out, max_gap=10**6, min_len=1)

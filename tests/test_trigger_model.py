@@ -69,7 +69,7 @@ def test_long_input_windowed_matches_centre_of_one_pass(tmp_path):
         s, e, ks, ke = ws[1]
         ref = torch.log_softmax(lab.model(torch.from_numpy(tok[s:e])[None])[0], -1).numpy()
     np.testing.assert_allclose(lab.log_probs(tok)[ks:ke], ref[ks - s:ke - s], atol=1e-5)
-    np.testing.assert_array_equal(out, viterbi_labels(lab.log_probs(tok)))
+    np.testing.assert_array_equal(out, viterbi_labels(lab.log_probs(tok), lab.cfg.min_gap_steps, lab.cfg.min_session_steps))
     # a short input is one pass
     short = tok[:300]
     with torch.no_grad():

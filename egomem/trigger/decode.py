@@ -89,31 +89,68 @@ _ALLOWED = np.array([
     [False, False, True, True],   # from 2 (in session)
     [True, True, False, False],   # from 3 (end)
 ])
-_FIRST = np.array([True, True, False, False])  # a chunk starts outside a session or at its start
-_LAST = np.array([True, False, False, True])  # ... and ends outside one or at its end
 
 
-def viterbi_labels(log_probs: np.ndarray) -> np.ndarray:
+def _lattice(min_gap: int, min_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Decoding states, each emitting one label:
+      Z_1 .. Z_G  k steps of no dialog since a session ended (Z_G = "G or more", also the state before
+                  any session); from Z_k only to Z_k+1 until Z_G, which may start a session;
+      S           a session's first step;
+      C_2 .. C_L-1  its next steps (in session), counted, so that no session is shorter than L;
+      I           in session from step L on;  E  its end, then Z_1 or straight to S (a user switch).
+    So two sessions are adjacent or at least G = `min_gap` steps apart, and every session lasts at
+    least L = `min_len` steps. G = 1, L = 2 is the plain well-formed grammar (`_ALLOWED`).
+    Returns (label of each state, allowed [from, to], may start a chunk, may end a chunk)."""
+    G, L = max(1, int(min_gap)), max(2, int(min_len))
+    S = G
+    chain = list(range(G + 1, G + L - 1))  # C_2 .. C_L-1
+    I, E = G + L - 1, G + L
+    n = G + L + 1
+    label = np.array([0] * G + [1] + [2] * len(chain) + [2, 3])
+    allowed = np.zeros((n, n), bool)
+    for k in range(G - 1):
+        allowed[k, k + 1] = True
+    allowed[G - 1, G - 1] = allowed[G - 1, S] = True
+    steps = [S] + chain  # session steps 1 .. L-1
+    for a, b in zip(steps, steps[1:]):
+        allowed[a, b] = True
+    allowed[steps[-1], I] = allowed[steps[-1], E] = True  # step L: in session or the end
+    allowed[I, I] = allowed[I, E] = True
+    allowed[E, 0] = allowed[E, S] = True
+    first = np.zeros(n, bool)
+    first[G - 1] = first[S] = True  # a chunk starts outside a session or at its start
+    last = np.zeros(n, bool)
+    last[:G] = last[E] = True  # ... and ends outside one or at its end
+    return label, allowed, first, last
+
+
+def viterbi_labels(log_probs: np.ndarray, min_gap: int = 1, min_len: int = 2) -> np.ndarray:
     """The most probable WELL-FORMED label sequence under per-step log-probabilities [T, 4].
 
     Per-step argmax lets one stray 1 or 3 split a session in two; this decoding only considers
     sequences that decode cleanly (see `_ALLOWED`), so a split must be paid for by both an end and
-    a start label. The result is exactly what `decode_sessions` expects.
+    a start label. With `min_gap` > 1 two sessions are either adjacent (3 -> 1: a user switch) or
+    at least `min_gap` steps of no dialog apart: a pause shorter than that inside one person's
+    conversation no longer splits it (a person change across a short pause is the identity split's
+    job, `egomem.trigger.identity_split`). `min_len` keeps that pause from being decoded as a tiny
+    session of its own between two adjacent ones. The result is what `decode_sessions` expects.
     """
     lp = np.asarray(log_probs, dtype=np.float64)
     T = lp.shape[0]
     if T == 0:
         return np.zeros(0, np.int64)
-    trans = np.where(_ALLOWED, 0.0, -np.inf)  # [from, to]
-    score = np.where(_FIRST, lp[0], -np.inf)
-    back = np.zeros((T, 4), np.int8)
+    label, allowed, first, last = _lattice(min_gap, min_len)
+    trans = np.where(allowed, 0.0, -np.inf)  # [from, to]
+    emit = lp[:, label]  # T, states
+    score = np.where(first, emit[0], -np.inf)
+    back = np.zeros((T, len(label)), np.int16)
     for t in range(1, T):
         cand = score[:, None] + trans  # from,to
         back[t] = cand.argmax(0)
-        score = cand.max(0) + lp[t]
-    score = np.where(_LAST, score, -np.inf)
+        score = cand.max(0) + emit[t]
+    state = int(np.where(last, score, -np.inf).argmax())
     out = np.empty(T, np.int64)
-    out[-1] = int(score.argmax())
-    for t in range(T - 1, 0, -1):
-        out[t - 1] = back[t, out[t]]
+    for t in range(T - 1, -1, -1):
+        out[t] = label[state]
+        state = back[t, state]
     return out

@@ -86,12 +86,13 @@ class TriggerLabeler:
     def label(self, tokens: np.ndarray) -> np.ndarray:
         """tokens [T, 17] -> labels [T] int64 in {0 no dialog, 1 start, 2 in session, 3 end}.
 
-        The most probable well-formed sequence (`viterbi_labels`), not the per-step argmax: one
-        stray start/end label would otherwise split a session."""
+        The most probable well-formed sequence (`viterbi_labels`: sessions adjacent or at least
+        `min_gap_steps` apart, none shorter than `min_session_steps`), not the per-step argmax: one stray start/end label would otherwise
+        split a session."""
         if np.asarray(tokens).shape[:1] == (0,):
             self.validate(tokens)
             return np.zeros(0, np.int64)
-        return viterbi_labels(self.log_probs(tokens))
+        return viterbi_labels(self.log_probs(tokens), self.cfg.min_gap_steps, self.cfg.min_session_steps)
 
     def sessions(self, tokens: np.ndarray) -> list[tuple[int, int]]:
         """Dialog sessions (start step, end step inclusive) in a token chunk."""

@@ -97,10 +97,12 @@ def evaluate(preds: list[list[Span]], golds: list[list[Span]], ns: tuple[int, ..
 # The bar the shipped tiny checkpoint (random-init Mimi codes) must reach on held-out synthetic
 # streams, per condition; checked by tests/test_trigger_checkpoint.py and reported by
 # bench/bench_trigger.py. Far below the paper (Jaccard 0.99, F1@5 0.98): telling two users apart
-# across a short pause needs speaker information that random Mimi codes barely carry.
+# across a short pause needs speaker information that random Mimi codes barely carry. Raised with
+# the minimum-gap decoding (trigger.min_gap_steps): 200 streams give clean 0.933 / 0.419, noised
+# 0.857 / 0.194; the test's 24 streams clean 0.946 / 0.379, noised 0.89 / 0.237.
 SHIPPED_BAR = {
-    "clean": {"jaccard": 0.90, "f1@5": 0.30},
-    "noised": {"jaccard": 0.82, "f1@5": 0.15},
+    "clean": {"jaccard": 0.92, "f1@5": 0.34},
+    "noised": {"jaccard": 0.84, "f1@5": 0.17},
 }
 
 

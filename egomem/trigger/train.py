@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from egomem.config import REPO_ROOT, load_config
+from egomem.config import REPO_ROOT, TriggerConfig, load_config
 from egomem.trigger.decode import decode_sessions, viterbi_labels
 from egomem.trigger.metrics import evaluate
 from egomem.trigger.model import TriggerModel, TriggerModelConfig, save_trigger
@@ -87,8 +87,10 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noised: bool,
-                   spec: StreamSpec | None = None) -> dict:
-    """span metrics on n held-out streams (seeded: the same streams for every model)."""
+                   spec: StreamSpec | None = None, min_gap: int = TriggerConfig.min_gap_steps,
+                   min_len: int = TriggerConfig.min_session_steps) -> dict:
+    """span metrics on n held-out streams (seeded: the same streams for every model), decoded as the
+    labeler decodes (`viterbi_labels` with the configured minimum gap and session length)."""
     spec = spec or StreamSpec(steps=1024)
     rng = np.random.default_rng([seed, 7, int(noised)])
     preds, golds = [], []
@@ -96,7 +98,7 @@ def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noi
     for _ in range(n):
         tokens, _, gold = synth_stream(cache, rng, spec, noised=noised)
         log_probs = torch.log_softmax(model(torch.from_numpy(tokens)[None])[0], -1).numpy()  # T,4
-        preds.append(decode_sessions(viterbi_labels(log_probs)))
+        preds.append(decode_sessions(viterbi_labels(log_probs, min_gap, min_len)))
         golds.append(gold)
     return evaluate(preds, golds)
 
@@ -175,7 +177,8 @@ def train(args: argparse.Namespace) -> dict:
     train_s = time.time() - t0
     from egomem.trigger.codec import build_codec, codec_fingerprint
 
-    results = {cond: evaluate_model(model, held_cache, args.eval_streams, args.seed, noised=(cond == "noised"))
+    results = {cond: evaluate_model(model, held_cache, args.eval_streams, args.seed, noised=(cond == "noised"),
+                                 min_gap=cfg.trigger.min_gap_steps, min_len=cfg.trigger.min_session_steps)
                for cond in ("clean", "noised")}
     meta = {
         "codec_fingerprint": codec_fingerprint(build_codec(cfg.mimi)),
