@@ -6,7 +6,6 @@ weights), fail (will not work; the `fix` says what to do). The exit status is 1 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys

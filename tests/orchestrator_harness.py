@@ -4,6 +4,7 @@ and a memory worker in another, so tests drive them through `egomem.client` like
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from pathlib import Path
@@ -89,6 +90,23 @@ class OrchestratorThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+DIALOG_MODELS = ("mimi_codec", "dialog_lm")
+IDENTIFY_MODELS = DIALOG_MODELS + ("face_encoder", "speaker_encoder")
+
+
+@contextlib.contextmanager
+def served_orchestrator(triton, run_dir: Path, models: tuple[str, ...] = DIALOG_MODELS, **orch):
+    """The orchestrator app in a thread, on the session's tritonserver with `models` loaded;
+    `orch` overrides [orchestrator] keys."""
+    from tests.conftest import test_config
+
+    for m in models:
+        triton.load(m)
+    cfg = orchestrator_config(test_config(run_dir), run_dir, triton.grpc_url, **orch)
+    with OrchestratorThread(cfg) as o:
+        yield o
 
 
 def run(coro):

@@ -17,8 +17,7 @@ from egomem import video
 from egomem.chat import run_chat
 from egomem.demo import load_voice
 from egomem.memory import open_store
-from tests.conftest import test_config
-from tests.orchestrator_harness import STREAM_TOKEN, OrchestratorThread, orchestrator_config, run
+from tests.orchestrator_harness import IDENTIFY_MODELS, STREAM_TOKEN, run, served_orchestrator
 
 DATA = Path(__file__).parent / "data" / "identity"
 SPEECH = [DATA / "1998-15444-0007.flac", DATA / "1998-15444-0008.flac"]  # 3.2 s + 2.9 s, one speaker
@@ -106,11 +105,8 @@ def test_chat_refuses_a_bad_video_before_connecting(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def stack(triton, tmp_path_factory):
-    for m in ("mimi_codec", "dialog_lm", "face_encoder", "speaker_encoder"):
-        triton.load(m)
     d = tmp_path_factory.mktemp("chat_video")
-    cfg = orchestrator_config(test_config(d), d, triton.grpc_url, retrieval=False, poll_interval_s=1.0)
-    with OrchestratorThread(cfg) as orch:
+    with served_orchestrator(triton, d, IDENTIFY_MODELS, retrieval=False, poll_interval_s=1.0) as orch:
         yield triton, orch, d
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from egomem.cli import build_parser, main
-from egomem.config import Config, ConfigError, load_config, to_toml
+from egomem.config import ConfigError, load_config, to_toml
 from egomem.doctor import run_doctor
 from egomem.serving.launcher import LaunchError, TritonServer
 

@@ -21,8 +21,7 @@ import types
 import numpy as np
 import pytest
 
-from tests.conftest import test_config
-from tests.orchestrator_harness import OrchestratorThread, orchestrator_config, tone
+from tests.orchestrator_harness import served_orchestrator, tone
 
 
 class _VirtualStream:
@@ -69,11 +68,8 @@ def virtual_sound_card(mic: np.ndarray, played: list) -> types.ModuleType:
 
 @pytest.fixture()
 def orch(triton, tmp_path):
-    triton.load("mimi_codec")
-    triton.load("dialog_lm")
-    cfg = orchestrator_config(test_config(tmp_path), tmp_path, triton.grpc_url, identify_models=False,
-                              retrieval=False, max_streams=2, anonymous_chat=True)
-    with OrchestratorThread(cfg) as o:
+    with served_orchestrator(triton, tmp_path, identify_models=False, retrieval=False, max_streams=2,
+                             anonymous_chat=True) as o:
         yield o
 
 

@@ -15,7 +15,7 @@ from egomem import protocol as P
 from egomem.client import ChatRefused, EgoMemClient, stream_audio
 from egomem.memory import open_store
 from tests.conftest import test_config
-from tests.orchestrator_harness import STREAM_TOKEN, OrchestratorThread, orchestrator_config, run, tone
+from tests.orchestrator_harness import STREAM_TOKEN, OrchestratorThread, orchestrator_config, run, served_orchestrator, tone
 
 
 @pytest.fixture(scope="module")
@@ -182,11 +182,8 @@ def test_rate_and_size_limits_close_only_the_offender(orch):
 def test_input_clock_ticks_each_stream_on_its_own_frames(triton, tmp_path):
     """tick_clock = "input": a stream ticks when its client's frame is complete, on its own loop; a
     stream whose client sends nothing is fed silence at its own pace, and neither waits for the other."""
-    triton.load("mimi_codec")
-    triton.load("dialog_lm")
-    cfg = orchestrator_config(test_config(tmp_path), tmp_path, triton.grpc_url, identify_models=False,
-                              retrieval=False, max_streams=2, tick_clock="input")
-    with OrchestratorThread(cfg) as o:
+    with served_orchestrator(triton, tmp_path, identify_models=False, retrieval=False, max_streams=2,
+                             tick_clock="input") as o:
         m = o.services.metrics
 
         async def go():

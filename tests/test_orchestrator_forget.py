@@ -15,19 +15,15 @@ from egomem.client import EgoMemClient, stream_audio
 from egomem.demo import load_voice
 from egomem.memory import open_store
 from egomem.memory.redact import MARKER
-from tests.conftest import test_config
-from tests.orchestrator_harness import ADMIN_TOKEN, STREAM_TOKEN, OrchestratorThread, orchestrator_config, run
+from tests.orchestrator_harness import ADMIN_TOKEN, IDENTIFY_MODELS, STREAM_TOKEN, run, served_orchestrator
 
 DATA = Path(__file__).parent / "data" / "identity"
 
 
 @pytest.fixture(scope="module")
 def orch(triton, tmp_path_factory):
-    for m in ("mimi_codec", "dialog_lm", "face_encoder", "speaker_encoder"):
-        triton.load(m)
     d = tmp_path_factory.mktemp("orch_forget")
-    cfg = orchestrator_config(test_config(d), d, triton.grpc_url, retrieval=False, poll_interval_s=1.0)
-    with OrchestratorThread(cfg) as o:
+    with served_orchestrator(triton, d, IDENTIFY_MODELS, retrieval=False, poll_interval_s=1.0) as o:
         yield triton, o
 
 

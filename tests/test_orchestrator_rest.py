@@ -101,7 +101,7 @@ def test_openapi_describes_exactly_the_registered_routes(server):
 
 
 def test_admin_rest_reads_and_changes_memory(server):
-    ada, bob = server.ids["ada"], server.ids["bob"]
+    ada = server.ids["ada"]
 
     async def go():
         async with EgoMemClient(server.url, ADMIN_TOKEN) as c:

@@ -275,7 +275,6 @@ class DialogEngine:
         lm = self.lm
         dep = lm.depformer
         sched = lm.depformer_weights_per_step_schedule
-        B = text.shape[0]
         prev = text
         kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in dep.layers]
         codes = []
