@@ -14,18 +14,14 @@ import pytest
 from egomem import protocol as P
 from egomem.client import ChatRefused, EgoMemClient, stream_audio
 from egomem.memory import open_store
-from tests.conftest import test_config
-from tests.orchestrator_harness import STREAM_TOKEN, OrchestratorThread, orchestrator_config, run, served_orchestrator, tone
+from tests.orchestrator_harness import STREAM_TOKEN, run, served_orchestrator, tone
 
 
 @pytest.fixture(scope="module")
 def orch(triton, tmp_path_factory):
-    triton.load("mimi_codec")
-    triton.load("dialog_lm")
     d = tmp_path_factory.mktemp("orch_chat")
-    cfg = orchestrator_config(test_config(d), d, triton.grpc_url, identify_models=False, retrieval=False,
-                              max_streams=2, accept_model_text=False)
-    with OrchestratorThread(cfg) as o:
+    with served_orchestrator(triton, d, identify_models=False, retrieval=False, max_streams=2,
+                             accept_model_text=False) as o:
         yield o
 
 

@@ -209,17 +209,10 @@ class MimiStreamPool:
 
     @torch.inference_mode()
     def _move_row(self, src: int, dst: int) -> None:
-        """Copy every streaming-state row `src` to row `dst` (the per-row batch dim, as `_narrow_state`)."""
-        from moshi.modules.transformer import RingKVCache
-
+        """Copy every streaming-state row `src` to row `dst`."""
         for _, state in self._full_states:
-            for value in vars(state).values():
-                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == self.max_streams:
-                    value[dst] = value[src]
-                elif isinstance(value, RingKVCache):
-                    value.cache[:, dst] = value.cache[:, src]  # [2, B, H, T, D]
-                    if value.end_offset.shape[0] == self.max_streams:
-                        value.end_offset[dst] = value.end_offset[src]
+            for _, _, tensor, dim in _per_row(state):
+                tensor.select(dim, dst).copy_(tensor.select(dim, src))
 
     def is_open(self, stream_id: int) -> bool:
         return stream_id in self._streams
@@ -334,30 +327,39 @@ def _streaming_states(model: torch.nn.Module) -> list[tuple[torch.nn.Module, obj
 Bound = list[tuple[object, str, torch.Tensor]]  # (holder, field, the row view it must keep pointing at)
 
 
-def _narrow_state(state: object, rows: int) -> tuple[object, Bound]:
-    """A shallow copy of a moshi streaming `State` whose per-row tensors are views of the first `rows`
-    rows. moshi updates most state tensors in place (`t[:] = ...`, `scatter_`), so those writes reach
-    the full state; a field it reassigns instead (a replicate-padded conv's `first`) is copied back by
-    `_write_back`. The per-row batch is dim 0 everywhere except RingKVCache's cache [2, B, H, T, D]."""
+def _per_row(state: object) -> Iterator[tuple[str, str | None, torch.Tensor, int]]:
+    """(field, sub-field of a KV cache or None, tensor, its row dim) for every per-row tensor of a moshi
+    streaming `State`: dim 0 everywhere except RingKVCache's cache [2, B, H, T, D]."""
     from moshi.modules.transformer import RingKVCache
 
-    full_rows = state.batch_size  # type: ignore[attr-defined]
-    view = copy.copy(state)
-    bound: Bound = []
-
-    def bind(holder: object, name: str, tensor: torch.Tensor) -> None:
-        setattr(holder, name, tensor)
-        bound.append((holder, name, tensor))
-
+    rows = state.batch_size  # type: ignore[attr-defined]
     for name, value in vars(state).items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == full_rows:
-            bind(view, name, value[:rows])
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+            yield name, None, value, 0
         elif isinstance(value, RingKVCache):
-            kv = copy.copy(value)
-            bind(kv, "cache", value.cache[:, :rows])  # [2, rows, H, T, D]
-            if value.end_offset.shape[0] == full_rows:
-                bind(kv, "end_offset", value.end_offset[:rows])
-            setattr(view, name, kv)
+            yield name, "cache", value.cache, 1
+            if value.end_offset.shape[0] == rows:
+                yield name, "end_offset", value.end_offset, 0
+
+
+def _narrow_state(state: object, rows: int) -> tuple[object, Bound]:
+    """A shallow copy of a moshi streaming `State` whose per-row tensors (`_per_row`) are views of the
+    first `rows` rows. moshi updates most state tensors in place (`t[:] = ...`, `scatter_`), so those
+    writes reach the full state; a field it reassigns instead (a replicate-padded conv's `first`) is
+    copied back by `_write_back`."""
+    view = copy.copy(state)
+    caches: dict[str, object] = {}  # field -> the view's own copy of that KV cache object
+    bound: Bound = []
+    for name, sub, tensor, dim in _per_row(state):
+        holder = view
+        if sub is not None:
+            if name not in caches:
+                caches[name] = copy.copy(getattr(state, name))
+                setattr(view, name, caches[name])
+            holder, name = caches[name], sub
+        rows_view = tensor.narrow(dim, 0, rows)
+        setattr(holder, name, rows_view)
+        bound.append((holder, name, rows_view))
     view.batch_size = rows  # type: ignore[attr-defined]
     view._set_exec_mask_graphed = None  # type: ignore[attr-defined]  # CPU only: never a CUDA graph
     return view, bound
