@@ -209,6 +209,8 @@ class OrchestratorConfig:
     tick_clock: Literal["input", "global"] = "global"  # global: one task ticks all streams in lockstep on one
     # 80 ms grid, so Triton batches them into one model step per phase (orchestrator/grid.py); input: tick when
     # each client's frame is complete (no phase wait, but one model call per stream per tick)
+    overlap_ticks: bool = True  # global clock: a step running late overlaps the next tick's encode (two model
+    # processes busy at once), so the grid keeps pace while each model alone fits in 80 ms (orchestrator/grid.py)
     triton_timeout_s: float = 5.0  # one model call; longer means Triton is gone and the stream fails cleanly
     poll_interval_s: float = 2.0  # identification polling loop (the paper's 2 s)
     identify_window_s: float = 3.0  # tau: seconds of recent audio handed to the speaker encoder

@@ -20,6 +20,7 @@ from egomem.serving.client import AsyncTritonClient
 from egomem.stack import tokens_path
 
 from .auth import TokenTable, auth_middleware
+from .cohort import encode_cohort, step_cohort
 from .grid import GridClock
 from .metrics import Metrics
 from .middlewares import errors, limits
@@ -44,7 +45,7 @@ async def services_ctx(app: web.Application) -> AsyncIterator[None]:
 
         perception = await asyncio.to_thread(Perception, cfg, triton, store, oc.retrieval)
     services = Services(cfg, triton, store, app[METRICS], perception,
-                        GridClock(app[METRICS], oc.max_tick_lag_s))
+                        GridClock(app[METRICS], oc.max_tick_lag_s, encode_cohort, step_cohort, oc.overlap_ticks))
     app[SERVICES] = services
     log.info("orchestrator: Triton at %s, store %s, %d stream slots", triton.url, cfg.memory.database, oc.max_streams)
     yield

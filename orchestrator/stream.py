@@ -1,13 +1,14 @@
 """One chat stream's loops: the 12.5 Hz dialog tick, the 2 s polling loop, query detection, recording.
 
 Dialog tick (every 80 ms, DESIGN.md §8; driven by the grid clock shared by all streams, orchestrator/grid.py,
-or with `tick_clock = "input"` by the stream's own loop):
-  1. take 1920 samples of client audio; none ready -> silence is fed (a late frame), the model keeps talking;
+or with `tick_clock = "input"` by the stream's own loop; the model calls for a cohort of streams are in
+orchestrator/cohort.py):
+  1. take 1920 samples of client audio (`next_frame`); none ready -> silence is fed (a late frame), the
+     model keeps talking;
   2. `mimi_codec`: encode this frame -> listen codes;
   3. at once, side by side: `dialog_lm` (listen codes in, + a pending MemChunk refresh -> text token +
-     speak codes out) and `mimi_codec` decoding the PREVIOUS tick's speak codes. The two run in
-     different model processes, so the decode costs no tick time while a core is free;
-  4. the decoded audio goes out as Opus (0x01), the text piece as 0x02; everything is recorded.
+     speak codes out) and `mimi_codec` decoding the PREVIOUS tick's speak codes (`speak_pending`);
+  4. `finish_tick`: the decoded audio goes out as Opus (0x01), the text piece as 0x02; everything is recorded.
 The critical path is two Triton round trips (encode, then dialog); the model's voice leaves one tick
 (80 ms) after it was generated.
 The handshake (0x00) is sent after the first tick, once both models hold the stream, so a client
@@ -36,6 +37,7 @@ from egomem.protocol import AUDIO, FRAME_SAMPLES, HANDSHAKE, SAMPLE_RATE, TEXT, 
 from egomem.retrieval import parse_query
 from egomem.serving.client import TritonRequestError, TritonUnavailable
 
+from .cohort import DialogOut, StreamFailed, end_cohort, tick_cohort
 from .perception import decode_image
 from .recording import Recorder, submit
 from .services import Services
@@ -44,28 +46,12 @@ log = logging.getLogger(__name__)
 MAX_TEXT_CHANNEL = 4000  # characters of the model's text kept for query detection
 
 
-class StreamFailed(RuntimeError):
-    """A model call failed under this stream; `close_code` tells the client why."""
-
-    def __init__(self, message: str, close_code: int):
-        super().__init__(message)
-        self.close_code = close_code
-
-
 @dataclass
 class Refresh:
     level: int  # 1 profile, 2 retrieved facts
     text: str
     user_id: str | None
     asked_at: float
-
-
-@dataclass
-class Encoded:
-    """What phase 1 of a tick hands to phase 2."""
-
-    pcm: np.ndarray  # [1920] the client frame (or silence) this tick
-    listen: np.ndarray  # [8] its Mimi codes
 
 
 class Stream:
@@ -79,7 +65,8 @@ class Stream:
         self.user_id: str | None = None
         self.closed = asyncio.Event()
         self.failure: StreamFailed | None = None
-        self.ticks = 0
+        self.ticks = 0  # ticks finished (dialog step done)
+        self.encoded = 0  # client frames encoded (one tick ahead of `ticks` while the grid overlaps ticks)
         self.polls = 0  # polling rounds that had a face or a voice to look at
         self.opened_at = time.time()
         self._pcm_in: collections.deque[np.ndarray] = collections.deque()
@@ -87,7 +74,7 @@ class Stream:
         self._input_ready = asyncio.Event()
         self._recent = np.zeros(int(self.oc.identify_window_s * SAMPLE_RATE), np.float32)  # last tau s of user audio
         self._frame: bytes | None = None  # latest video frame, not yet looked at
-        self._speak_pending: np.ndarray | None = None  # speak codes of the previous tick, decoded this tick
+        self.speak_pending: np.ndarray | None = None  # speak codes of the previous tick, decoded this tick
         self._refreshes: collections.deque[Refresh] = collections.deque()
         self._text_channel = ""
         self._opus_out = sphn.OpusStreamWriter(SAMPLE_RATE)
@@ -191,16 +178,9 @@ class Stream:
     async def _end_sequences(self) -> None:
         if self.ticks == 0:
             return
-        t = self.oc.triton_timeout_s
-        calls = [
-            self.s.triton.infer("mimi_codec", {"PCM": np.zeros((1, FRAME_SAMPLES), np.float32)}, ["CODES"],
-                                self.sequence_id, end=True, timeout_s=t),
-            self.s.triton.infer("dialog_lm", {"LISTEN_CODES": np.zeros((1, 8), np.int64)}, ["STEP"],
-                                self.sequence_id, end=True, timeout_s=t),
-        ]
-        for r in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(r, Exception):
-                log.info("stream %s: closing its model sequences: %s", self.stream_id, r)
+        failure, = await end_cohort([self])
+        if failure is not None:
+            log.info("stream %s: closing its model state: %s", self.stream_id, failure)
 
     # -- the dialog tick ------------------------------------------------------------------------
     async def _tick_loop(self) -> None:
@@ -236,16 +216,20 @@ class Stream:
                 m.inc("egomem_tick_deadline_misses_total", skipped)
                 due += skipped * TICK_S
             t0 = loop.time()
-            await self.tick()
+            failure = (await tick_cohort([self])).get(self)
+            if failure is not None:
+                raise failure
             t1 = loop.time()
             m.observe("egomem_tick_seconds", t1 - t0)
             if t1 > max(due, t0) + TICK_S:
                 m.inc("egomem_tick_deadline_misses_total")
             due += TICK_S
 
-    def _take_frame(self) -> tuple[np.ndarray, bool]:
+    def next_frame(self) -> np.ndarray:
+        """This tick's 1920 samples of client audio; silence (counted as a late frame) when none are ready."""
         if self._pcm_in_len < FRAME_SAMPLES:
-            return np.zeros(FRAME_SAMPLES, np.float32), False
+            self.s.metrics.inc("egomem_late_frames_total")
+            return np.zeros(FRAME_SAMPLES, np.float32)
         parts, need = [], FRAME_SAMPLES
         while need:
             head = self._pcm_in.popleft()
@@ -255,51 +239,16 @@ class Stream:
             if take.size < head.size:
                 self._pcm_in.appendleft(head[take.size:])
         self._pcm_in_len -= FRAME_SAMPLES
-        return np.concatenate(parts), True
+        return np.concatenate(parts)
 
-    async def _infer(self, model: str, inputs: dict, outputs: list[str], start: bool) -> dict:
-        try:
-            return await self.s.triton.infer(model, inputs, outputs, self.sequence_id, start=start,
-                                             timeout_s=self.oc.triton_timeout_s)
-        except TritonUnavailable as e:
-            self.s.metrics.inc("egomem_triton_errors_total")
-            raise StreamFailed(f"model server unavailable: {e}", 1011) from e
-        except TritonRequestError as e:
-            self.s.metrics.inc("egomem_triton_errors_total")
-            if "no free stream slot" in str(e):
-                raise StreamFailed("no free stream slot in the dialog model", 1013) from e
-            raise StreamFailed(f"model refused the stream: {e}", 1011) from e
+    def take_refresh(self) -> Refresh | None:
+        """The MemChunk refresh to apply with this tick's dialog step, if one is waiting."""
+        return self._refreshes.popleft() if self._refreshes else None
 
-    async def tick(self) -> None:
-        """One tick: `encode`, then `step` (the grid clock runs the two phases for all streams at once)."""
-        await self.step(await self.encode())
-
-    async def encode(self) -> "Encoded":
-        """Phase 1: this tick's client frame (silence when late) -> `mimi_codec` -> listen codes."""
-        pcm, fresh = self._take_frame()
-        if not fresh:
-            self.s.metrics.inc("egomem_late_frames_total")
-        r = await self._infer("mimi_codec", {"PCM": pcm[None]}, ["CODES"], self.ticks == 0)  # [1, 1920] -> [1, 8]
-        return Encoded(pcm, r["CODES"].reshape(-1).astype(np.int64))  # listen codes [8]
-
-    async def step(self, enc: "Encoded") -> None:
-        """Phase 2: `dialog_lm` (with the previous voice's decode beside it) -> audio, text, recording."""
-        pcm, listen = enc.pcm, enc.listen
+    def finish_tick(self, pcm: np.ndarray, listen: np.ndarray, d: DialogOut, audio: np.ndarray | None,
+                    refresh: Refresh | None) -> None:
+        """After the model calls: send the previous tick's voice, this tick's text and events; record the tick."""
         start = self.ticks == 0
-        d_in: dict[str, np.ndarray] = {"LISTEN_CODES": listen[None]}
-        refresh = self._refreshes.popleft() if self._refreshes else None
-        if refresh is not None:
-            d_in["MEMCHUNK_LEVEL"] = np.array([[refresh.level]], np.int32)
-            d_in["MEMCHUNK_TEXT"] = np.array([[refresh.text.encode("utf-8")]], dtype=np.object_)
-        calls = [self._infer("dialog_lm", d_in, ["TEXT_TOKEN", "SPEAK_CODES", "TEXT_PIECE"], start)]
-        if self._speak_pending is not None:  # the previous tick's voice, decoded beside this dialog step
-            calls.append(self._infer("mimi_codec", {"CODES_IN": self._speak_pending[None]}, ["AUDIO"], False))
-        done = await asyncio.gather(*calls, return_exceptions=True)  # both finish before any error is raised
-        for res in done:
-            if isinstance(res, BaseException):
-                raise res
-        d = done[0]
-        audio = done[1]["AUDIO"] if len(done) > 1 else None
         self.ticks += 1
         if start:  # both models hold the stream now: Moshi's handshake means "send audio"
             self.send(pack(HANDSHAKE))
@@ -313,15 +262,11 @@ class Stream:
             opus = self._opus_out.append_pcm(audio.reshape(-1).astype(np.float32))
             if len(opus):
                 self.send(pack(AUDIO, opus))
-        text_token = int(d["TEXT_TOKEN"].reshape(-1)[0])
-        speak = d["SPEAK_CODES"].reshape(-1).astype(np.int64)  # [8]
-        self._speak_pending = speak if (speak >= 0).all() else None  # -2 while the acoustic delays warm up
-        raw = d["TEXT_PIECE"].reshape(-1)[0]
-        piece = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-        self.recorder.tick(text_token, speak, listen, pcm, piece)
-        if piece:
-            self.send(pack(TEXT, piece.encode("utf-8")))
-            self._on_text(piece)
+        self.speak_pending = d.speak if (d.speak >= 0).all() else None  # -2 while the acoustic delays warm up
+        self.recorder.tick(d.text_token, d.speak, listen, pcm, d.piece)
+        if d.piece:
+            self.send(pack(TEXT, d.piece.encode("utf-8")))
+            self._on_text(d.piece)
         if self.recorder.steps >= self.oc.chunk_steps:
             self._flushes.append(asyncio.create_task(self.flush_memory()))
 

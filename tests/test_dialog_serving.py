@@ -136,3 +136,58 @@ def test_served_streams_refresh_end_and_bad_inputs(dialog):
         assert t1 == t2 and np.array_equal(s1, s2)
     tick(dialog, 902, b[0], end=True)
     pool.shutdown()
+
+
+def cohort_tick(client, cohort_id: int, streams: list[int], flags: list[int], codes: list[np.ndarray],
+                refresh: dict[int, tuple[int, str]] | None = None):
+    """One cohort request: row r is streams[r]; `refresh` maps a row to its (MemChunk level, text).
+    Returns per row (text token, speak codes, step) or the row's error."""
+    arrays = {"COHORT_STREAMS": np.asarray(streams, np.int64), "COHORT_FLAGS": np.asarray(flags, np.int32),
+              "COHORT_LISTEN_CODES": np.stack(codes).astype(np.int64)}
+    if refresh:
+        arrays["COHORT_MEMCHUNK_LEVEL"] = np.array([refresh.get(r, (0, ""))[0] for r in range(len(streams))], np.int32)
+        arrays["COHORT_MEMCHUNK_TEXT"] = np.array([refresh.get(r, (0, ""))[1].encode() for r in range(len(streams))],
+                                                  dtype=np.object_)
+    inputs = []
+    for name, a in arrays.items():
+        dtype = {np.int64: "INT64", np.int32: "INT32", np.object_: "BYTES"}[a.dtype.type]
+        inputs.append(grpcclient.InferInput(name, [1, *a.shape], dtype))
+        inputs[-1].set_data_from_numpy(a[None])
+    r = client.infer("dialog_lm", inputs, sequence_id=cohort_id, sequence_start=True, sequence_end=True)
+    token, speak, step = (r.as_numpy(n)[0] for n in ("COHORT_TEXT_TOKEN", "COHORT_SPEAK_CODES", "COHORT_STEP"))
+    errors = [e.decode() for e in r.as_numpy("COHORT_ERRORS")[0]]
+    return [errors[i] or (int(token[i]), speak[i], int(step[i])) for i in range(len(streams))]
+
+
+def test_served_cohort_rows_match_their_streams_ticked_alone(dialog):
+    card, steps = 2048, 6
+    a = [listen(30 + t, card) for t in range(steps)]
+    b = [listen(40 + t, card) for t in range(steps)]
+    rows = []
+    for t in range(steps):  # streams 911 and 912 in one cohort per tick; a profile lands in 911's L1 at t = 3
+        flags = [(1 if t == 0 else 0) | (2 if t == steps - 1 else 0)] * 2
+        refresh = {0: (1, "Ada, 34, likes green tea")} if t == 3 else None
+        rows.append(cohort_tick(dialog, 6000 + t, [911, 912], flags, [a[t], b[t]], refresh))
+    assert [r[0][2] for r in rows] == [r[1][2] for r in rows] == list(range(1, steps + 1))
+    # the same inputs through plain per-stream requests give the same outputs, refresh included
+    alone_a = [tick(dialog, 913, a[t], start=t == 0, end=t == steps - 1, level=1 if t == 3 else None,
+                    text="Ada, 34, likes green tea" if t == 3 else None) for t in range(steps)]
+    alone_b = [tick(dialog, 914, b[t], start=t == 0, end=t == steps - 1) for t in range(steps)]
+    for r, (ta, sa, _), (tb, sb, _) in zip(rows, alone_a, alone_b):
+        assert r[0][0] == ta and np.array_equal(r[0][1], sa)
+        assert r[1][0] == tb and np.array_equal(r[1][1], sb)
+    # bad rows fail alone: a stream never started, a code out of range; the good row steps
+    out = cohort_tick(dialog, 6100, [915, 916, 917], [1, 0, 1], [a[0], a[0], np.full(8, card, np.int64)])
+    assert out[0][2] == 1 and "START" in out[1] and "LISTEN_CODES must be in" in out[2]
+    cohort_tick(dialog, 6101, [915], [2], [a[1]])
+    with pytest.raises(InferenceServerException, match="COHORT_FLAGS holds 1 flags for 2 COHORT_STREAMS"):
+        dialog.infer("dialog_lm", _cohort_inputs_with_flags_mismatch(), sequence_id=6102, sequence_start=True,
+                     sequence_end=True)
+
+
+def _cohort_inputs_with_flags_mismatch():
+    streams = grpcclient.InferInput("COHORT_STREAMS", [1, 2], "INT64")
+    streams.set_data_from_numpy(np.array([[918, 919]], np.int64))
+    flags = grpcclient.InferInput("COHORT_FLAGS", [1, 1], "INT32")
+    flags.set_data_from_numpy(np.array([[1]], np.int32))
+    return [streams, flags]

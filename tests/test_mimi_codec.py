@@ -238,3 +238,57 @@ def test_served_bad_input_is_refused_and_server_keeps_serving(codec, bad):
     # The server and the open stream beside it keep working.
     codes = encode(codec, seq, frames(1, 1)[0], end=True)
     assert codes.shape == (8,)
+
+
+def cohort(client, cohort_id: int, streams: list[int], flags: list[int], pcm=None, codes=None):
+    """One cohort request (one row per stream); returns (COHORT_CODES, COHORT_AUDIO, per-row errors)."""
+    arrays = {"COHORT_STREAMS": np.asarray(streams, np.int64), "COHORT_FLAGS": np.asarray(flags, np.int32)}
+    if pcm is not None:
+        arrays["COHORT_PCM"] = np.asarray(pcm, np.float32)
+    if codes is not None:
+        arrays["COHORT_CODES_IN"] = np.asarray(codes, np.int64)
+    inputs = []
+    for name, a in arrays.items():
+        inputs.append(grpcclient.InferInput(name, [1, *a.shape], {np.int64: "INT64", np.int32: "INT32",
+                                                                  np.float32: "FP32"}[a.dtype.type]))
+        inputs[-1].set_data_from_numpy(a[None])
+    outs = [grpcclient.InferRequestedOutput(n) for n in ("COHORT_CODES", "COHORT_AUDIO", "COHORT_ERRORS")]
+    r = client.infer("mimi_codec", inputs, outputs=outs, sequence_id=cohort_id, sequence_start=True, sequence_end=True)
+    return r.as_numpy("COHORT_CODES")[0], r.as_numpy("COHORT_AUDIO")[0], [e.decode() for e in r.as_numpy("COHORT_ERRORS")[0]]
+
+
+START, END = 1, 2
+
+
+def test_served_cohort_rows_are_their_own_streams(codec):
+    x = [frames(20 + i) for i in range(3)]
+    alone = [np.stack([encode(codec, 1001 + i, f, start=(t == 0), end=(t == STEPS - 1)) for t, f in enumerate(x[i])])
+             for i in range(3)]
+    streams, got = [1101, 1102, 1103], [[], [], []]
+    for t in range(STEPS):
+        flags = [(START if t == 0 else 0) | (END if t == STEPS - 1 else 0)] * 3
+        codes, _, errors = cohort(codec, 5000 + t, streams, flags, pcm=np.stack([x[i][t] for i in range(3)]))
+        assert errors == ["", "", ""]
+        for i in range(3):
+            got[i].append(codes[i])
+    for i in range(3):  # a row is its own stream's encoder state, whatever rows share the step
+        assert agreement(np.stack(got[i]), alone[i]) >= 0.9
+        assert max(agreement(np.stack(got[i]), alone[j]) for j in range(3) if j != i) < 0.5  # not a neighbour's
+    # a decode cohort: one frame of audio per row
+    _, audio, errors = cohort(codec, 5100, [1104, 1105], [START | END] * 2, codes=np.arange(16).reshape(2, 8) * 50)
+    assert errors == ["", ""] and audio.shape == (2, FRAME_SAMPLES) and np.isfinite(audio).all()
+
+
+def test_served_cohort_bad_rows_fail_alone(codec):
+    f = frames(3, 1)[0]
+    # row 1 names a stream that was never started; row 2 repeats row 0's stream: both fail, row 0 is served
+    codes, _, errors = cohort(codec, 5200, [1201, 1299, 1201], [START, 0, 0], pcm=np.stack([f, f, f]))
+    assert errors[0] == "" and codes[0].min() >= 0
+    assert "START" in errors[1] and "two rows in one model step" in errors[2]
+    assert (codes[1] == -1).all() and (codes[2] == -1).all()
+    # a malformed cohort fails as a whole, with what to fix
+    with pytest.raises(InferenceServerException, match="one row per COHORT_STREAMS entry"):
+        cohort(codec, 5201, [1201, 1202], [0, 0], pcm=np.stack([f]))
+    # the stream is still open and served
+    codes, _, errors = cohort(codec, 5202, [1201], [END], pcm=f[None])
+    assert errors == [""] and codes.shape == (1, 8)

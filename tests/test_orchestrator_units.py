@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -108,67 +109,115 @@ def test_metrics_render_prometheus_text():
 
 
 class _FakeStream:
-    """What the grid clock drives: `closed`, `encode()`, `step(enc)`; logs (event, stream, time)."""
+    """What the grid clock looks at: `closed`; `ticks` counts the ticks it finished."""
 
-    def __init__(self, name: str, log: list, encode_s: float = 0.0, fail_at: int | None = None):
-        self.name, self.log, self.encode_s, self.fail_at = name, log, encode_s, fail_at
+    def __init__(self, name: str):
+        self.name = name
         self.closed = asyncio.Event()
         self.ticks = 0
 
-    async def encode(self):
-        self.log.append(("encoding", self.name, asyncio.get_running_loop().time()))
+
+@dataclass
+class _Row:
+    stream: _FakeStream
+
+
+class _FakePhases:
+    """The grid's `encode(cohort)` and `step(rows)`: log (event, names, time), take `encode_s` / `step_s`;
+    stream `fail` fails in the step of its tick number `fail_at`."""
+
+    def __init__(self, encode_s: float = 0.0, step_s: float = 0.0, fail: str | None = None, fail_at: int = 0):
+        self.log: list = []
+        self.encode_s, self.step_s, self.fail, self.fail_at = encode_s, step_s, fail, fail_at
+
+    def _note(self, event: str, streams: list) -> None:
+        self.log.append((event, sorted(s.name for s in streams), asyncio.get_running_loop().time()))
+
+    async def encode(self, cohort: list):
+        self._note("encode", cohort)
         await asyncio.sleep(self.encode_s)
-        if self.fail_at is not None and self.ticks == self.fail_at:
-            raise RuntimeError(f"{self.name}: model server unavailable")
-        self.log.append(("encoded", self.name, asyncio.get_running_loop().time()))
-        return self.ticks
+        self._note("encoded", cohort)
+        return [_Row(s) for s in cohort], {}
 
-    async def step(self, enc):
-        self.log.append(("step", self.name, asyncio.get_running_loop().time()))
-        self.ticks += 1
+    async def step(self, rows: list):
+        streams = [r.stream for r in rows]
+        self._note("step", streams)
+        await asyncio.sleep(self.step_s)
+        failed = {}
+        for s in streams:
+            if s.name == self.fail and s.ticks == self.fail_at:
+                failed[s] = RuntimeError(f"{s.name}: model server unavailable")
+            else:
+                s.ticks += 1
+        self._note("stepped", streams)
+        return failed
+
+    def times(self, event: str) -> list[float]:
+        return [t for e, _, t in self.log if e == event]
 
 
-def test_grid_clock_ticks_streams_in_lockstep_phases():
+def _run_grid(phases: _FakePhases, names: list[str], seconds: float, overlap: bool = True):
     async def run():
-        log: list = []
         metrics = Metrics()
-        clock = GridClock(metrics, max_lag_s=0.4)
-        fast, slow = _FakeStream("fast", log), _FakeStream("slow", log, encode_s=0.03)
-        runs = [asyncio.create_task(clock.run(s)) for s in (fast, slow)]
-        await asyncio.sleep(0.5)
-        fast.closed.set(), slow.closed.set()
+        clock = GridClock(metrics, max_lag_s=0.4, encode=phases.encode, step=phases.step, overlap=overlap)
+        streams = [_FakeStream(n) for n in names]
+        runs = [asyncio.create_task(clock.run(s)) for s in streams]
+        await asyncio.sleep(seconds)
+        for s in streams:
+            s.closed.set()
         await asyncio.gather(*runs)
-        return log, fast.ticks, slow.ticks, metrics
+        return streams, metrics
 
-    log, fast_ticks, slow_ticks, metrics = asyncio.run(run())
-    assert fast_ticks >= 5 and abs(fast_ticks - slow_ticks) <= 1  # 80 ms grid, both every tick
-    steps = [t for e, _, t in log if e == "step"]
-    encodes = {n: [t for e, m, t in log if e == "encoded" and m == n] for n in ("fast", "slow")}
-    for k in range(min(fast_ticks, slow_ticks)):  # tick k: no dialog step before the slow stream's codes are in
-        assert min(steps[2 * k:2 * k + 2]) >= encodes["slow"][k]
-    gaps = np.diff(encodes["fast"])
+    return asyncio.run(run())
+
+
+def test_grid_clock_ticks_streams_together_on_the_80ms_grid():
+    phases = _FakePhases(encode_s=0.01, step_s=0.02)
+    (a, b), metrics = _run_grid(phases, ["a", "b"], 0.6)
+    assert a.ticks >= 5 and abs(a.ticks - b.ticks) <= 1  # 80 ms grid, both every tick
+    cohorts = [names for e, names, _ in phases.log if e == "encode"]
+    assert sum(c == ["a", "b"] for c in cohorts) >= len(cohorts) - 2  # one cohort per tick (edges aside)
+    gaps = np.diff(phases.times("encode"))
     assert 0.06 < float(np.median(gaps)) < 0.1  # the grid's 80 ms, not as fast as possible
-    assert "egomem_tick_seconds" in metrics.render()
+    assert "egomem_tick_seconds_count" in metrics.render()
+
+
+def test_grid_clock_overlaps_a_late_step_with_the_next_encode_in_order():
+    # encode + step = 100 ms > 80 ms, but each phase alone fits: overlapped, the grid keeps its 80 ms pace
+    for overlap, lo, hi in ((True, 0.065, 0.093), (False, 0.097, 0.14)):
+        phases = _FakePhases(encode_s=0.04, step_s=0.06)
+        (s,), _ = _run_grid(phases, ["s"], 1.2, overlap=overlap)
+        period = float(np.median(np.diff(phases.times("stepped"))))
+        assert lo < period < hi, (overlap, period)
+        order = [(e, t) for e, _, t in phases.log]
+        encodes = [t for e, t in order if e in ("encode", "encoded")]
+        steps = [t for e, t in order if e in ("step", "stepped")]
+        assert encodes == sorted(encodes) and steps == sorted(steps)  # encodes never overlap; steps never overlap
+        for k, t_step in enumerate(phases.times("step")):  # a tick's step follows its own encode
+            assert t_step >= phases.times("encoded")[k]
+        if overlap:  # some encode ran while a step was in flight
+            assert any(a < e < b for e in phases.times("encode")
+                       for a, b in zip(phases.times("step"), phases.times("stepped")))
 
 
 def test_grid_clock_a_failing_stream_leaves_alone():
     async def run():
-        log: list = []
-        clock = GridClock(Metrics(), max_lag_s=0.4)
-        good, bad = _FakeStream("good", log), _FakeStream("bad", log, fail_at=2)
+        phases = _FakePhases(fail="bad", fail_at=2)
+        clock = GridClock(Metrics(), max_lag_s=0.4, encode=phases.encode, step=phases.step)
+        good, bad = _FakeStream("good"), _FakeStream("bad")
         good_run = asyncio.create_task(clock.run(good))
         with pytest.raises(RuntimeError, match="bad: model server unavailable"):
             await clock.run(bad)
         ticks_when_bad_failed = good.ticks
         await asyncio.sleep(0.3)
         assert not good_run.done() and clock.size == 1
-        good.encode_s = 0.05
-        while log[-1][:2] != ("encoding", "good"):  # close it mid-tick, while its encode is in flight
+        phases.step_s = 0.05
+        while phases.log[-1][0] != "step":  # close it mid-tick, while its model calls are in flight
             await asyncio.sleep(0.005)
         good.closed.set()
         await good_run  # a closed stream's run returns without error ...
-        return ticks_when_bad_failed, good.ticks, log[-1]  # ... and only after its tick's step
+        return ticks_when_bad_failed, good.ticks, phases.log[-1]  # ... and only after its tick is over
 
     at_failure, later, last = asyncio.run(run())
     assert later >= at_failure + 2  # the good stream kept ticking after the other one failed
-    assert last[:2] == ("step", "good")  # its tick in flight finished before run returned
+    assert last[:2] == ("stepped", ["good"])  # its tick in flight finished before run returned

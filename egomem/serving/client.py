@@ -93,3 +93,24 @@ class AsyncTritonClient:
                 raise TritonUnavailable(f"{model}: {msg}") from e
             raise TritonRequestError(f"{model}: {msg}") from e
         return {o: res.as_numpy(o) for o in outputs}
+
+    async def infer_cohort(
+        self,
+        model: str,
+        cohort_id: int,
+        streams: list[int],
+        flags: list[int],
+        inputs: Mapping[str, np.ndarray],
+        outputs: list[str],
+        timeout_s: float | None = None,
+    ) -> tuple[dict[str, np.ndarray], list[str]]:
+        """One cohort request (egomem.serving.adapter): row r of every input and output belongs to
+        `streams[r]`, whose START/END bits are `flags[r]`. `cohort_id` is the request's own one-request
+        sequence (unique, > 0). Returns the outputs ([rows, ...]) and each row's error ("" = served)."""
+        ins = {"COHORT_STREAMS": np.asarray(streams, np.int64)[None],
+               "COHORT_FLAGS": np.asarray(flags, np.int32)[None]}
+        ins.update({name: np.asarray(a)[None] for name, a in inputs.items()})
+        out = await self.infer(model, ins, [*outputs, "COHORT_ERRORS"], cohort_id, start=True, end=True,
+                               timeout_s=timeout_s)
+        errors = [e.decode("utf-8", "replace") if isinstance(e, bytes) else str(e) for e in out.pop("COHORT_ERRORS")[0]]
+        return {name: a[0] for name, a in out.items()}, errors
