@@ -236,7 +236,10 @@ async def triton_lockstep(grpc_url: str, n: int, steps: int, warmup: int) -> dic
 
 
 def in_process(cfg, n: int, steps: int, warmup: int, device: str) -> dict:
-    """The same codec + dialog model stepped in this process: one batched encode, step, decode per tick."""
+    """The same codec + dialog model stepped in this process: one batched encode, step, decode per tick,
+    paced at 12.5 Hz like the served stack (a tick that ends early sleeps to the next 80 ms): on a VM, a
+    core that idles between ticks runs the next one measurably slower than a tight loop does (cold
+    caches, clocks), and the served models idle between ticks too."""
     import torch
 
     from egomem.codec.mimi import MimiStreamPool, build_mimi
@@ -263,8 +266,10 @@ def in_process(cfg, n: int, steps: int, warmup: int, device: str) -> dict:
         speak = sp if (sp >= 0).all() else None
         if device == "cuda":
             torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
         if t >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(dt)
+        time.sleep(max(0.0, P.TICK_S - dt))
     a = np.asarray(times) * 1e3
     return {"streams": n, "tick_ms": pct(a), "rtf": round(float(a.mean()) / 80.0, 3),
             "realtime": bool(np.percentile(a, 90) <= 80.0)}
@@ -304,10 +309,11 @@ def trial(stack: Stack, cfg, n: int, args) -> tuple[dict, dict, dict, dict | Non
 
 @contextlib.contextmanager
 def sibling_load():
-    """One single-threaded matmul loop in another process: keeps the other vCPU as busy as the served
-    stack keeps it (its second model process, orchestrator, load generator). On hosts whose vCPUs share a
-    physical core, this alone slows the in-process peer."""
-    code = ("import numpy as np\na = np.random.rand(256, 256).astype(np.float32)\n"
+    """One single-threaded matmul loop (4 MB operands, beyond the L2, as model weights are) in another
+    process keeps the other vCPU busy, as the served stack keeps it (its second model process, the
+    orchestrator, the load generator). On hosts whose vCPUs share a core or a cache, this alone slows
+    the in-process peer."""
+    code = ("import numpy as np\na = np.random.rand(1024, 1024).astype(np.float32)\n"
             "while True:\n    a = a @ a\n    a /= np.abs(a).max()\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)

@@ -155,22 +155,31 @@ def decode_attention_torch(q, k_cache, v_cache, slots, l1_len, l2_len, ring_len,
 
 
 def _attend_rows(q, k, v, l1_len, l2_len, ring_len, chunk_pos0, n1, n2, max_period, interleave, sm_scale):
-    """decode_attention_torch for rows whose caches are k, v [B, Hkv, T, D]."""
+    """decode_attention_torch for rows whose caches are k, v [B, Hkv, T, D].
+
+    Reads only the cache positions one of these rows can see: L1 up to the longest L1 among them, L2
+    likewise, the ring up to the longest ring. The pass over K and V is the cost (memory-bound), and a
+    young stream's ring is mostly empty: a 10 s old stream sees 125 of the tiny preset's 2232 ring steps."""
     B, H, D = q.shape
     _, Hkv, T, _ = k.shape
     G, n_chunk = H // Hkv, n1 + n2
     qg = q.view(B, Hkv, G, D).float() * sm_scale  # [B, Hkv, G, D]: query heads grouped by kv head
-    q_chunk = rope_rotate(qg, -chunk_pos0.view(B, 1, 1), max_period, interleave)  # rotate-on-read
-    # both query frames against every key in one pass over K (the pass is memory-bound), then pick
-    scores = torch.cat([q_chunk, qg], dim=2).to(k.dtype) @ k.transpose(-1, -2)  # [B, Hkv, 2G, T]
-    t = torch.arange(T, device=q.device)
-    scores = torch.where(t < n_chunk, scores[:, :, :G], scores[:, :, G:]).float()  # [B, Hkv, G, T]
-    valid = torch.where(
-        t < n1, t < l1_len[:, None],
-        torch.where(t < n_chunk, (t - n1) < l2_len[:, None], (t - n_chunk) < ring_len[:, None]),
-    )  # [B, T]
-    p = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1).to(v.dtype)
-    out = p @ v  # [B, Hkv, G, D]
+    spans = [(0, int(l1_len.max()), l1_len), (n1, int(l2_len.max()), l2_len), (n_chunk, int(ring_len.max()), ring_len)]
+    spans = [(start, width, lens) for start, width, lens in spans if width > 0]
+    q_chunk = None
+    if any(start < n_chunk for start, _, _ in spans):
+        q_chunk = rope_rotate(qg, -chunk_pos0.view(B, 1, 1), max_period, interleave)  # rotate-on-read
+    scores = []
+    for start, width, lens in spans:
+        query = q_chunk if start < n_chunk else qg
+        s = (query.to(k.dtype) @ k[:, :, start:start + width].transpose(-1, -2)).float()  # [B, Hkv, G, width]
+        valid = torch.arange(width, device=q.device) < lens[:, None]  # [B, width]
+        scores.append(s.masked_fill(~valid[:, None, None, :], float("-inf")))
+    p = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(v.dtype)
+    out, at = 0, 0
+    for start, width, _ in spans:
+        out = out + p[..., at:at + width] @ v[:, :, start:start + width]  # [B, Hkv, G, D]
+        at += width
     return out.reshape(B, H, D).to(q.dtype)
 
 

@@ -97,6 +97,22 @@ def test_torch_reference_matches_naive_loop(chunk, interleave):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_path_reads_only_what_some_row_can_see():
+    """Young streams (every ring shorter than W, no L2, L1 shorter than N1): positions no row can see are
+    never read. They hold NaN here, which any read would carry into the output (0 * NaN = NaN)."""
+    n1, n2, W = 12, 8, 10
+    q, k, v, slots, l1, _, _, pos0 = _inputs(3, 4, 4, 2, 32, n1, n2, W, torch.float32, "empty", seed=11)
+    l1 = torch.tensor([0, 7, 4], dtype=torch.int32)
+    l2 = torch.zeros(3, dtype=torch.int32)
+    ring = torch.tensor([3, 1, 5], dtype=torch.int32)
+    want = _naive_attention(q, k, v, slots, l1, l2, ring, pos0, n1, n2, 10_000.0, True)
+    for cache in (k, v):
+        cache[:, :, 7:n1 + n2] = float("nan")  # beyond the longest L1, and all of L2
+        cache[:, :, n1 + n2 + 5:] = float("nan")  # beyond the longest ring
+    got = da.decode_attention(q, k, v, slots, l1, l2, ring, pos0, n1=n1, n2=n2, impl="torch")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_torch_reference_reads_runs_of_slots_as_views():
     """Rows whose slots are consecutive (2, 3 then 0) are read per run; the result must not depend on it."""
     n1, n2, W = 8, 4, 6
