@@ -176,7 +176,7 @@ class Stream:
             log.info("stream %s: last identification skipped: %s", self.stream_id, e)
 
     async def _end_sequences(self) -> None:
-        if self.ticks == 0:
+        if self.encoded == 0:  # no model holds state for this stream yet
             return
         failure, = await end_cohort([self])
         if failure is not None:
