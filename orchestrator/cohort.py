@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from egomem.protocol import FRAME_SAMPLES
+from egomem.protocol import CLOSE_INTERNAL, CLOSE_TRY_LATER, FRAME_SAMPLES
 from egomem.serving.adapter import SEQUENCE_END, SEQUENCE_START
 from egomem.serving.client import TritonRequestError, TritonUnavailable
 
@@ -52,8 +52,8 @@ class DialogOut:
 
 def _row_failure(model: str, error: str) -> StreamFailed:
     if "no free stream slot" in error:
-        return StreamFailed(f"no free stream slot in {model}", 1013)
-    return StreamFailed(f"{model} refused the stream: {error}", 1011)
+        return StreamFailed(f"no free stream slot in {model}", CLOSE_TRY_LATER)
+    return StreamFailed(f"{model} refused the stream: {error}", CLOSE_INTERNAL)
 
 
 async def _call(services: "Services", model: str, streams: list["Stream"], flags: list[int],
@@ -65,10 +65,10 @@ async def _call(services: "Services", model: str, streams: list["Stream"], flags
             timeout_s=services.cfg.orchestrator.triton_timeout_s)
     except TritonUnavailable as e:
         services.metrics.inc("egomem_triton_errors_total", len(streams))
-        return {}, [StreamFailed(f"model server unavailable: {e}", 1011) for _ in streams]
+        return {}, [StreamFailed(f"model server unavailable: {e}", CLOSE_INTERNAL) for _ in streams]
     except TritonRequestError as e:
         services.metrics.inc("egomem_triton_errors_total", len(streams))
-        return {}, [StreamFailed(f"{model} refused the request: {e}", 1011) for _ in streams]
+        return {}, [StreamFailed(f"{model} refused the request: {e}", CLOSE_INTERNAL) for _ in streams]
     failures = [_row_failure(model, err) if err else None for err in errors]
     services.metrics.inc("egomem_triton_errors_total", sum(f is not None for f in failures))
     return out, failures

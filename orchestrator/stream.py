@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 import sphn
 
-from egomem.protocol import AUDIO, FRAME_SAMPLES, HANDSHAKE, SAMPLE_RATE, TEXT, TICK_S, pack, pack_event
+from egomem.protocol import AUDIO, CLOSE_INTERNAL, FRAME_SAMPLES, HANDSHAKE, SAMPLE_RATE, TEXT, TICK_S, pack, pack_event
 from egomem.retrieval import parse_query
 from egomem.serving.client import TritonRequestError, TritonUnavailable
 
@@ -148,7 +148,7 @@ class Stream:
             pass
         except Exception as e:  # noqa: BLE001 - a bug in one stream ends that stream only, loudly
             log.exception("stream %s failed", self.stream_id)
-            self.failure = StreamFailed(f"internal error: {type(e).__name__}", 1011)
+            self.failure = StreamFailed(f"internal error: {type(e).__name__}", CLOSE_INTERNAL)
         finally:
             self.closed.set()
             await self._last_look()
