@@ -130,6 +130,52 @@ def test_admission_control_and_garbage_do_not_touch_other_streams(orch):
     assert good_ticks >= 5  # the well-behaved stream kept ticking meanwhile
 
 
+def test_a_full_model_pool_refuses_one_stream_and_the_others_tick_on(orch, triton):
+    """The codec's pool is full (sequences opened straight on Triton): the next chat's START row fails
+    alone, with 1013 naming the model, in the same cohort request as a stream that keeps ticking."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    wait_until(lambda: not orch.services.streams, 60)
+    client, held = triton.client(), []
+
+    def fill_codec_pool() -> None:
+        pcm = grpcclient.InferInput("PCM", [1, P.FRAME_SAMPLES], "FP32")
+        pcm.set_data_from_numpy(np.zeros((1, P.FRAME_SAMPLES), np.float32))
+        for seq in range(7_000_001, 7_000_065):
+            try:
+                client.infer("mimi_codec", [pcm], sequence_id=seq, sequence_start=True)
+            except InferenceServerException as e:
+                assert "no free stream slot" in str(e)
+                return
+            held.append(seq)
+        raise AssertionError("the codec pool never filled")
+
+    async def go():
+        async with EgoMemClient(orch.url, STREAM_TOKEN) as c:
+            good = await c.open_chat()
+            sid = (await good.wait_event("stream_open"))["stream_id"]
+            stream = orch.services.streams[sid]
+            await asyncio.to_thread(fill_codec_pool)
+            with pytest.raises(ChatRefused) as refused:
+                await c.open_chat()
+            t0 = stream.ticks
+            await stream_audio(good, tone(0.4))
+            await good.wait_for(lambda _: stream.ticks >= t0 + 5, 60)
+            return refused.value, good.closed
+
+    try:
+        refused, good_closed = run(go())
+    finally:
+        pcm = grpcclient.InferInput("PCM", [1, P.FRAME_SAMPLES], "FP32")
+        pcm.set_data_from_numpy(np.zeros((1, P.FRAME_SAMPLES), np.float32))
+        for seq in held:
+            client.infer("mimi_codec", [pcm], sequence_id=seq, sequence_end=True)
+    assert held  # the pool was filled by this test
+    assert refused.code == P.CLOSE_TRY_LATER and "no free stream slot in mimi_codec" in refused.reason
+    assert not good_closed  # the stream that shared its cohort requests kept ticking
+
+
 def test_vanishing_client_frees_its_slot_and_its_memory_job_is_queued(orch):
     async def go():
         http = aiohttp.ClientSession()
