@@ -69,11 +69,12 @@ class TritonPythonModel:
         self.dep_q = lm.dep_q
 
     def execute(self, requests):
-        batch = StepBatch()
+        batch, cohorts = StepBatch(), set()
         for i, request in enumerate(requests):
             try:
                 members = cohort_members(request)
                 if members is not None:
+                    cohorts.add(i)
                     for d in _parse_cohort(request, *members, self.n_listen):
                         batch.add(i, d, [d.stream])
                     continue
@@ -87,13 +88,13 @@ class TritonPythonModel:
                 stream, start, end = sequence_flags(request)
                 batch.add(i, DialogRequest(stream, start, end), [stream], error=str(e))  # END still frees the slot
         results = self.pool.serve(batch.items)
-        return [self._respond(batch, i, request, results) for i, request in enumerate(requests)]
+        return [self._respond(batch, i, results, i in cohorts) for i in range(len(requests))]
 
-    def _respond(self, batch: StepBatch, i: int, request, results):
+    def _respond(self, batch: StepBatch, i: int, results, cohort: bool):
         if i in batch.request_errors:
             return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(batch.request_errors[i]))
         rows = batch.results_of(i, results)
-        if pb_utils.get_input_tensor_by_name(request, "COHORT_STREAMS") is not None:
+        if cohort:
             n = len(rows)
             token = np.full((n,), -1, np.int64)
             speak = np.full((n, self.dep_q), -1, np.int64)

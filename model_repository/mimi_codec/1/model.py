@@ -33,8 +33,7 @@ class TritonPythonModel:
         device = "cuda" if args.get("model_instance_kind") == "GPU" else "cpu"
         self.pool = MimiStreamPool(build_mimi(cfg, device), cfg.max_streams, cfg.stream_ttl_s)
 
-    def _add_cohort(self, batch: StepBatch, i: int, request) -> None:
-        streams, flags = cohort_members(request)
+    def _add_cohort(self, batch: StepBatch, i: int, request, streams: np.ndarray, flags: np.ndarray) -> None:
         k = self.pool.num_codebooks
         pcm = cohort_input(request, "COHORT_PCM", streams.size, (FRAME_SAMPLES,))
         codes = cohort_input(request, "COHORT_CODES_IN", streams.size, (k,))
@@ -44,11 +43,13 @@ class TritonPythonModel:
             batch.add(i, item, _state_keys(item))
 
     def execute(self, requests):
-        batch = StepBatch()
+        batch, cohorts = StepBatch(), set()
         for i, request in enumerate(requests):
             try:
-                if cohort_members(request) is not None:
-                    self._add_cohort(batch, i, request)
+                members = cohort_members(request)
+                if members is not None:
+                    cohorts.add(i)
+                    self._add_cohort(batch, i, request, *members)
                     continue
             except ValueError as e:
                 batch.fail(i, str(e))
@@ -63,14 +64,14 @@ class TritonPythonModel:
                 item = CodecRequest(stream, start, end)
                 batch.add(i, item, _state_keys(item), error=str(e))  # END still frees the stream
         results = serve_codec_batch(self.pool, batch.items)
-        return [self._respond(batch, i, request, results) for i, request in enumerate(requests)]
+        return [self._respond(batch, i, request, results, i in cohorts) for i, request in enumerate(requests)]
 
-    def _respond(self, batch: StepBatch, i: int, request, results):
+    def _respond(self, batch: StepBatch, i: int, request, results, cohort: bool):
         if i in batch.request_errors:
             return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(batch.request_errors[i]))
         rows = batch.results_of(i, results)
         wanted = set(request.requested_output_names())
-        if pb_utils.get_input_tensor_by_name(request, "COHORT_STREAMS") is not None:
+        if cohort:
             k = self.pool.num_codebooks
             codes = np.full((len(rows), k), -1, np.int64)
             audio = np.zeros((len(rows), FRAME_SAMPLES), np.float32)
