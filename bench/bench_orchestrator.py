@@ -8,9 +8,9 @@ the served models), whose per-tick time is the floor; and the same models driven
 Triton's gRPC API with the grid clock's cohort requests (no orchestrator, no WebSocket, no Opus). The ratios
 (served tick / in-process tick, Triton-only tick / in-process tick) split the serving overhead into
 Triton's share and the orchestrator's. `--repeats R` runs served + peers R times per N and keeps the
-repeat with the median ratio (all ratios are listed). `--sibling-load` also times the in-process peer
-while another process keeps the second vCPU busy, as the served stack does: on hosts whose vCPUs share
-a physical core, the idle-sibling peer is faster than any layout that uses both.
+repeat with the median ratio (the upper one for even R; all ratios are listed). `--sibling-load` also
+times the in-process peer while another process keeps the second vCPU busy, as the served stack does
+(a check for hosts whose vCPUs share a core or a cache, where the idle-sibling peer would be favoured).
 
 CPU: every model process (and the in-process peer) runs one torch/OpenMP thread (egomem.serving.launcher: one thread per CPU model process).
 
@@ -364,7 +364,7 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--preset", choices=["tiny", "7b"], default="tiny", help="dialog preset (7b: GPU; Mimi 'full')")
     ap.add_argument("--realtime-goodput", type=float, default=0.95)
-    ap.add_argument("--repeats", type=int, default=1, help="served run + peers per N; the median-ratio repeat is kept")
+    ap.add_argument("--repeats", type=int, default=1, help="served run + peers per N; the median-ratio repeat is kept (upper median for even R)")
     ap.add_argument("--sibling-load", action="store_true",
                     help="also time the in-process peer with the other vCPU kept busy (hosts with shared cores)")
     ap.add_argument("--tick-clock", choices=["input", "global"], default="global",
@@ -394,9 +394,7 @@ def main() -> None:
                     "triton_only": [], "in_process": [], "in_process_sibling_busy": [], "repeats": args.repeats}
     with Stack(cfg, models=["mimi_codec", "dialog_lm"], worker=False) as stack:
         for n in args.streams:
-            trials = []
-            for rep in range(args.repeats):
-                trials.append(trial(stack, cfg, n, args))
+            trials = [trial(stack, cfg, n, args) for _ in range(args.repeats)]
             # the repeat whose served/in-process ratio is the median stands for this N (all its fields agree)
             trials.sort(key=lambda t: t[0]["overhead_ratio_tick"])
             s, tl, ip, busy = trials[len(trials) // 2]

@@ -134,8 +134,6 @@ class GridClock:
             log.exception("grid tick failed")
             for stream in tick.members:
                 self._fail(stream, e)
-        finally:
-            tick.encoded.set()
 
     async def _phases(self, tick: _Tick, previous: _Tick | None) -> None:
         loop = asyncio.get_running_loop()
@@ -143,7 +141,7 @@ class GridClock:
         try:
             rows, failed = await self.encode(tick.members)
         finally:
-            tick.encoded.set()
+            tick.encoded.set()  # the grid goes on to the next tick's encode, even after a failure here
         for stream, error in failed.items():
             self._fail(stream, error)
         if previous is not None and previous.task is not None:

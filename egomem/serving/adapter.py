@@ -64,8 +64,15 @@ def respond_each(requests: list[Any], handle: Callable[[Any], dict[str, np.ndarr
             responses.append(pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor(name, value) for name, value in out.items()]))
         except Exception as e:  # noqa: BLE001 - reported to the client that sent it
-            responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(e))))
+            responses.append(error_response(str(e)))
     return responses
+
+
+def error_response(message: str) -> Any:
+    """A response that fails one request with `message`; the rest of the batch is served."""
+    import triton_python_backend_utils as pb_utils
+
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 
 # -- cohort requests: one request, one row per stream ---------------------------------------------------
@@ -153,3 +160,8 @@ class StepBatch:
             else:
                 out.append((res, ""))
         return out
+
+
+def cohort_errors(rows: list[tuple[Any, str]]) -> np.ndarray:
+    """The COHORT_ERRORS output [1, R] of `StepBatch.results_of` rows ("" = row served)."""
+    return np.array([[err.encode("utf-8") for _, err in rows]], dtype=np.object_)

@@ -10,8 +10,8 @@ import triton_python_backend_utils as pb_utils
 
 from egomem.config import load_config
 from egomem.dialog.serving import DialogRequest, DialogStreamPool, build_engine
-from egomem.serving.adapter import (SEQUENCE_END, SEQUENCE_START, StepBatch, check_model_config, cohort_input,
-                                    cohort_members, optional_input, sequence_flags)
+from egomem.serving.adapter import (SEQUENCE_END, SEQUENCE_START, StepBatch, check_model_config, cohort_errors,
+                                    cohort_input, cohort_members, error_response, optional_input, sequence_flags)
 
 INPUTS = {"LISTEN_CODES": "TYPE_INT64", "MEMCHUNK_LEVEL": "TYPE_INT32", "MEMCHUNK_TOKENS": "TYPE_INT64",
           "MEMCHUNK_TEXT": "TYPE_STRING", "COHORT_STREAMS": "TYPE_INT64", "COHORT_FLAGS": "TYPE_INT32",
@@ -92,7 +92,7 @@ class TritonPythonModel:
 
     def _respond(self, batch: StepBatch, i: int, results, cohort: bool):
         if i in batch.request_errors:
-            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(batch.request_errors[i]))
+            return error_response(batch.request_errors[i])
         rows = batch.results_of(i, results)
         if cohort:
             n = len(rows)
@@ -104,14 +104,13 @@ class TritonPythonModel:
                 if res is not None:
                     token[r], speak[r], step[r], piece[r] = res.text_token, res.speak_codes, res.step, \
                         res.text_piece.encode("utf-8")
-            errors = np.array([err.encode("utf-8") for _, err in rows], dtype=np.object_)
             return pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("COHORT_TEXT_TOKEN", token[None]), pb_utils.Tensor("COHORT_SPEAK_CODES", speak[None]),
                 pb_utils.Tensor("COHORT_TEXT_PIECE", piece[None]), pb_utils.Tensor("COHORT_STEP", step[None]),
-                pb_utils.Tensor("COHORT_ERRORS", errors[None])])
+                pb_utils.Tensor("COHORT_ERRORS", cohort_errors(rows))])
         (res, err), = rows
         if err:
-            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(err))
+            return error_response(err)
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("TEXT_TOKEN", np.array([[res.text_token]], dtype=np.int64)),
             pb_utils.Tensor("SPEAK_CODES", res.speak_codes.astype(np.int64)[None]),

@@ -10,8 +10,8 @@ import triton_python_backend_utils as pb_utils
 
 from egomem.codec.mimi import FRAME_SAMPLES, CodecRequest, MimiStreamPool, build_mimi, serve_codec_batch
 from egomem.config import load_config
-from egomem.serving.adapter import (SEQUENCE_END, SEQUENCE_START, StepBatch, check_model_config, cohort_input,
-                                    cohort_members, optional_input, sequence_flags)
+from egomem.serving.adapter import (SEQUENCE_END, SEQUENCE_START, StepBatch, check_model_config, cohort_errors,
+                                    cohort_input, cohort_members, error_response, optional_input, sequence_flags)
 
 INPUTS = {"PCM": "TYPE_FP32", "CODES_IN": "TYPE_INT64", "COHORT_STREAMS": "TYPE_INT64", "COHORT_FLAGS": "TYPE_INT32",
           "COHORT_PCM": "TYPE_FP32", "COHORT_CODES_IN": "TYPE_INT64"}
@@ -68,7 +68,7 @@ class TritonPythonModel:
 
     def _respond(self, batch: StepBatch, i: int, request, results, cohort: bool):
         if i in batch.request_errors:
-            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(batch.request_errors[i]))
+            return error_response(batch.request_errors[i])
         rows = batch.results_of(i, results)
         wanted = set(request.requested_output_names())
         if cohort:
@@ -80,9 +80,8 @@ class TritonPythonModel:
                     codes[r] = res.codes
                 if res is not None and res.pcm is not None:
                     audio[r] = res.pcm
-            errors = np.array([err.encode("utf-8") for _, err in rows], dtype=np.object_)
             wanted = wanted or {"COHORT_CODES", "COHORT_AUDIO"}
-            out = [pb_utils.Tensor("COHORT_ERRORS", errors[None])]
+            out = [pb_utils.Tensor("COHORT_ERRORS", cohort_errors(rows))]
             if "COHORT_CODES" in wanted:
                 out.append(pb_utils.Tensor("COHORT_CODES", codes[None]))
             if "COHORT_AUDIO" in wanted:
@@ -90,7 +89,7 @@ class TritonPythonModel:
             return pb_utils.InferenceResponse(output_tensors=out)
         (res, err), = rows
         if err:
-            return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(err))
+            return error_response(err)
         wanted = wanted or {"CODES", "AUDIO"}
         out = []
         if "CODES" in wanted and res.codes is not None:
