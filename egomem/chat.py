@@ -88,7 +88,15 @@ async def run_chat(url: str, token: str, audio: Path | None, images: list[Path],
         print("no microphone found (sounddevice/PortAudio): pass --audio FILE.wav (or a --video with sound)",
               flush=True)
         return 2
-    frames = [p.read_bytes() for p in images]
+    frames = []
+    for p in images:  # checked before the chat opens, as the orchestrator would refuse them one by one
+        try:
+            data = p.read_bytes()
+            P.check_video_frame(data)
+        except (OSError, P.ProtocolError) as e:
+            print(f"error: --image {p}: {e}", file=sys.stderr, flush=True)
+            return 2
+        frames.append(data)
     async with EgoMemClient(url, token) as client:
         chat = await client.open_chat()
         t0 = time.monotonic()

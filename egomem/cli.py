@@ -19,25 +19,42 @@ def _add_config(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Start tritonserver, the orchestrator and the memory worker; keep them up until Ctrl-C / SIGTERM."""
+    """Start tritonserver, the orchestrator and the memory worker; keep them up until Ctrl-C / SIGTERM.
+
+    A child that dies is restarted (server.max_restarts within server.restart_window_s, with backoff);
+    the children die with this process, and <server.run_dir>/serve.pid lets the next `serve` stop any
+    left by a killed one."""
+    from egomem.serving.launcher import LaunchError
     from egomem.stack import Stack, models_for
 
     cfg = load_config(args.config)
     if args.models:
         cfg.server.models = args.models.split(",")
     stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        if stop.is_set():  # a second Ctrl-C: stop waiting for a restart in progress
+            raise KeyboardInterrupt
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     stack = Stack(cfg, models=args.models.split(",") if args.models else models_for(cfg), worker=not args.no_worker)
     print(f"starting tritonserver with models {stack.triton.models} (log: {stack.triton.log_path}) ...", flush=True)
-    with stack:
-        print(f"ready: chat ws://{cfg.orchestrator.host}:{cfg.orchestrator.port}/api/chat, REST {stack.url}/api, "
-              f"metrics {stack.url}/metrics; tokens in {cfg.orchestrator.tokens_file or cfg.server.run_dir / 'tokens.json'}; "
-              f"Triton gRPC {stack.triton.grpc_url}. Ctrl-C to stop.", flush=True)
-        while not stop.wait(1.0):
-            if not stack.is_alive():
-                print(f"a service exited unexpectedly.\n{stack.triton.log_tail()}\n{stack.log_tail()}", file=sys.stderr)
-                return 1
+    try:
+        with stack:
+            print(f"ready: chat ws://{cfg.orchestrator.host}:{cfg.orchestrator.port}/api/chat, REST {stack.url}/api, "
+                  f"metrics {stack.url}/metrics; tokens in {cfg.orchestrator.tokens_file or cfg.server.run_dir / 'tokens.json'}; "
+                  f"Triton gRPC {stack.triton.grpc_url}. Ctrl-C to stop.", flush=True)
+            while not stop.wait(1.0):
+                try:
+                    stack.supervise(stop)
+                except LaunchError as e:
+                    print(f"giving up: {e}", file=sys.stderr, flush=True)
+                    return 1
+    except LaunchError as e:
+        print(f"egomem serve could not start: {e}", file=sys.stderr, flush=True)
+        return 1
     print("stopped.")
     return 0
 

@@ -50,6 +50,11 @@ class ServerConfig:
     models: list[str] = field(default_factory=list)
     tritonserver_binary: Path | None = None  # None: the one inside the nvidia-pytriton wheel
     log_verbose: int = 0
+    # `egomem serve` restarts a child (tritonserver, orchestrator, worker) that dies: at most this many
+    # times per child within restart_window_s (more is a crash loop: serve exits and says why)
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    restart_backoff_s: float = 1.0  # wait before a restart; doubles per restart within the window
 
 
 @dataclass
@@ -135,16 +140,15 @@ class MemoryConfig:
     chunk_dir: Path = REPO_ROOT / "runs" / "memory_chunks"  # stream chunks waiting for the worker
     keep_chunks: bool = False  # raw audio is user data: deleted once its job is done
     extractor: Literal["auto", "llm", "rules"] = "auto"  # auto: the LLM when its key is set, else the rules
-    job_lease_s: float = 600.0  # a claimed job returns to the queue if its worker is silent this long
+    # A claimed job returns to the queue if its worker is silent this long; a live worker renews it every
+    # third of it from a thread, so a SIGKILLed worker's job is taken over within ~one lease, not minutes
+    job_lease_s: float = 30.0
     job_max_attempts: int = 5
     job_retry_base_s: float = 30.0  # retry delay doubles per attempt (LLM outages last minutes)
     worker_poll_s: float = 1.0
-    trigger_chunk_steps: int = 8192  # the trigger labels at most this many 80 ms steps per call (paper)
-    face_model_id: str = "dlib_resnet_v1"  # keys of other models never match
-    voice_model_id: str = "resemblyzer_ge2e"
-    face_threshold: float = 0.09  # stub identifier, cosine distance; dlib's value from bench_identity (Facenet512: 0.30)
-    voice_threshold: float = 0.25  # stub identifier, raw cosine distance; egomem.identity's s-norm replaces it
     profile_max_chars: int = 2000  # rendered profile; the dialog side cuts it to the 512-step Level-1 MemChunk
+    forget_face_distance: float = 0.30  # forget drops a waiting chunk's face poll this near the person's key, if nearest
+    forget_voice_distance: float = 0.35  # likewise voices (raw cosine); looser than identify: forget errs on forgetting
 
 
 @dataclass
@@ -159,9 +163,20 @@ class LLMConfig:
     max_attempts: int = 4  # then the call goes to the dead-letter table
     backoff_base_s: float = 2.0  # doubles per attempt
     backoff_max_s: float = 60.0
-    transcription_base_url: str | None = None  # an OpenAI-compatible /audio/transcriptions; None: no ASR
-    transcription_model: str = "whisper-1"
-    transcription_api_key_env: str | None = None  # None: the same variable as api_key_env
+
+
+@dataclass
+class ASRConfig:
+    """The recogniser of the user's (listen-channel) audio in memory jobs (`egomem.memory.asr`)."""
+
+    backend: Literal["pocketsphinx", "openai", "whisper", "none"] = "pocketsphinx"  # offline: model inside the wheel
+    base_url: str | None = None  # backend "openai": an OpenAI-compatible server exposing /audio/transcriptions
+    model: str = "whisper-1"  # backend "openai": the model name sent with each request
+    api_key_env: str | None = None  # backend "openai": None reads the key from llm.api_key_env's variable
+    whisper_path: Path | None = None  # backend "whisper": a local faster-whisper (CTranslate2) or transformers folder
+    language: str = "en"  # pocketsphinx ships English only; whisper and openai are told this language
+    timeout_s: float = 120.0  # backend "openai": per request; a 10-minute session uploads ~19 MB of 16 kHz WAV
+    max_attempts: int = 3  # backend "openai": then the memory job fails and is retried later by the queue
 
 
 @dataclass
@@ -203,6 +218,10 @@ class OrchestratorConfig:
     max_messages_per_s: float = 200.0  # per stream, averaged over 1 s (Opus pages ~50/s + video + text)
     max_body_bytes: int = 1_000_000  # one REST request body
     max_input_buffer_s: float = 2.0  # client audio buffered ahead of real time beyond this is dropped
+    max_audio_message_s: float = 2.0  # one 0x01 message: clients send audio as recorded (20-80 ms); sphn fails past ~5 s
+    max_audio_pages_per_message: int = 100  # one 0x01 message: 2 s of 20 ms pages; bounds the page walk before decoding
+    max_audio_speed: float = 2.0  # client audio per second of wall time (x real time); more is refused as malformed
+    max_audio_burst_s: float = 5.0  # audio a client may send at once beyond that (catching up after a network stall)
     send_queue_messages: int = 64  # per-stream outbound queue (~5 s of audio); full = oldest audio dropped
     max_tick_lag_s: float = 0.4  # a tick loop this far behind its clock re-syncs (the missed ticks count as misses)
     late_grace_s: float = 0.04  # a tick waits this long past its due time for the client's frame, then feeds silence
@@ -232,6 +251,7 @@ class Config:
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
+    asr: ASRConfig = field(default_factory=ASRConfig)
     trigger: TriggerConfig = field(default_factory=TriggerConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
 
@@ -273,6 +293,19 @@ def _parse_env_value(raw: str) -> Any:
         return raw
 
 
+# Keys that moved: a config naming one gets an error saying where its setting lives now.
+MOVED_KEYS = {
+    "memory.face_model_id": "key model ids follow identity.face_backend / identity.voice_backend",
+    "memory.voice_model_id": "key model ids follow identity.face_backend / identity.voice_backend",
+    "memory.face_threshold": "the worker identifies with [identity]: identity.face_threshold_<backend>",
+    "memory.voice_threshold": "the worker identifies with [identity]: identity.voice_threshold_<backend>",
+    "memory.trigger_chunk_steps": "use trigger.max_chunk_steps",
+    "llm.transcription_base_url": "use asr.base_url with asr.backend = 'openai'",
+    "llm.transcription_model": "use asr.model",
+    "llm.transcription_api_key_env": "use asr.api_key_env",
+}
+
+
 def _apply_mapping(cfg: Config, data: Mapping[str, Any], source: str) -> None:
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     for section, values in data.items():
@@ -283,6 +316,8 @@ def _apply_mapping(cfg: Config, data: Mapping[str, Any], source: str) -> None:
         obj = getattr(cfg, section)
         hints = typing.get_type_hints(type(obj))
         for key, value in values.items():
+            if f"{section}.{key}" in MOVED_KEYS:
+                raise ConfigError(f"{source}: {section}.{key} is no longer a setting: {MOVED_KEYS[f'{section}.{key}']}")
             if key not in hints:
                 raise ConfigError(
                     f"{source}: unknown key {section}.{key}; allowed: {', '.join(sorted(hints))}"

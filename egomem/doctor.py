@@ -151,6 +151,53 @@ def check_perception(cfg: Config) -> Iterable[Finding]:
                       "retrain it for your Mimi weights: egomem train-trigger --config <this config> --data <LibriSpeech>")
 
 
+def check_identity(cfg: Config) -> Iterable[Finding]:
+    """One identifier: the rule live streams and the memory worker share, and stored keys it cannot search."""
+    from egomem.identity.identify import FACE_MODEL_IDS, VOICE_MODEL_IDS
+
+    i = cfg.identity
+    face, voice = FACE_MODEL_IDS[i.face_backend], VOICE_MODEL_IDS[i.voice_backend]
+    face_thr = i.face_threshold_dlib if i.face_backend == "dlib" else i.face_threshold_deepface
+    voice_thr = i.voice_threshold_resemblyzer if i.voice_backend == "resemblyzer" else i.voice_threshold_wavlm
+    yield Finding("ok", f"identification (live streams and memory worker alike): face {face} distance < {face_thr}, "
+                        f"voice {voice} s-norm > {voice_thr}, conflicts -> {i.conflict_rule}")
+    db = Path(cfg.memory.database)
+    if not db.is_file():
+        return
+    from egomem.memory.sqlite_store import SQLiteMemoryStore
+
+    store = SQLiteMemoryStore(db)
+    try:
+        stray: dict[tuple[str, str], set[str]] = {}
+        for k in store.list_keys():
+            if k.model_id != (face if k.modality == "face" else voice):
+                stray.setdefault((k.modality, k.model_id), set()).add(k.user_id)
+    finally:
+        store.close()
+    for (modality, model_id), users in sorted(stray.items()):
+        yield Finding("note", f"{len(users)} user(s) have {modality} keys of model {model_id!r}, which the configured "
+                              f"identity.{modality}_backend never searches",
+                      f"they are recognised by {modality} again once re-enrolled under "
+                      f"{face if modality == 'face' else voice!r} (or set the backend back)")
+
+
+def check_asr(cfg: Config) -> Iterable[Finding]:
+    """Which recogniser turns the user's audio into words for memory jobs (egomem.memory.asr)."""
+    from egomem.memory.asr import AsrError, describe, make_recogniser
+
+    if cfg.asr.backend == "none":
+        yield Finding("note", f"speech recogniser: {describe(cfg.asr)}",
+                      "audio-only clients (Moshi's) then give no user facts: set asr.backend = 'pocketsphinx'")
+        return
+    try:
+        make_recogniser(cfg.asr, cfg.llm)
+    except AsrError as e:
+        yield Finding("fail", f"speech recogniser asr.backend = {cfg.asr.backend!r}", str(e))
+        return
+    yield Finding("ok", f"speech recogniser for memory jobs: {describe(cfg.asr)}; client transcript lines, "
+                        "when a session has them, are used instead")
+
+
 def check_gpu(cfg: Config) -> Iterable[Finding]:
     from egomem.serving.launcher import cuda_available
 
@@ -165,7 +212,8 @@ def check_gpu(cfg: Config) -> Iterable[Finding]:
 
 
 CHECKS: list[Callable[[Config], Iterable[Finding]]] = [
-    check_python, check_triton, check_repository, check_weights, check_perception, check_gpu,
+    check_python, check_triton, check_repository, check_weights, check_perception, check_identity, check_asr,
+    check_gpu,
 ]
 
 

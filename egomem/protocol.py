@@ -8,7 +8,7 @@ error kind of Moshi's Rust server. EgoMem's kinds start at 0x10 so they never co
   0x01 audio       both ways          Ogg/Opus pages (sphn.OpusStreamWriter/Reader, 24 kHz mono)
   0x02 text        server -> client   UTF-8 piece of the model's text channel
   0x05 error       server -> client   UTF-8 message; the stream closes after it when fatal
-  0x10 video       client -> server   one JPEG (or PNG) frame of the camera
+  0x10 video       client -> server   one JPEG (or PNG) frame of the camera (checked by its signature)
   0x11 transcript  client -> server   UTF-8 words the user said (from the client's ASR or a script)
   0x12 event       server -> client   UTF-8 JSON object {"type": ..., ...} (see EVENT_TYPES)
   0x13 control     client -> server   UTF-8 JSON object {"type": "model_text", "text": ...} (when allowed)
@@ -91,6 +91,19 @@ def parse_text(payload: bytes, max_chars: int = 10_000) -> str:
     if len(text) > max_chars:
         raise ProtocolError(f"text payload has {len(text)} characters; at most {max_chars}")
     return text
+
+
+JPEG_SIGNATURE = b"\xff\xd8\xff"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def check_video_frame(payload: bytes) -> None:
+    """A 0x10 payload must be one JPEG or PNG image; checked by its signature (the polling loop decodes it)."""
+    if not payload:
+        raise ProtocolError("empty video frame")
+    if not (payload.startswith(JPEG_SIGNATURE) or payload.startswith(PNG_SIGNATURE)):
+        raise ProtocolError(f"video frame is not a JPEG or PNG image: its {len(payload)} bytes start with "
+                            "neither the JPEG nor the PNG signature")
 
 
 def _jsonable(o: Any) -> Any:

@@ -6,7 +6,7 @@ softmax, to three regions of that slot's cache:
     stored rotated only to their position INSIDE the chunk (L1 step j at j, L2 step j at l1_len + j),
     so they do not depend on the dialog. At read time the whole chunk is rotated on to its virtual
     positions `chunk_pos0[b] + (position inside the chunk)`, i.e. just before the oldest ring entry,
-    so query-to-chunk distances stay in the trained range however long the stream lives (DESIGN.md §4).
+    so query-to-chunk distances stay in the trained range however long the stream lives (docs/kv-cache.md#positions-rotate-on-read).
     RoPE rotations compose and are orthogonal, so rotating every chunk key by +chunk_pos0 equals
     rotating the query by -chunk_pos0 once: q.R(p0)k = (R(-p0)q).k -- one rotation per row, not per key;
   - the dialog ring (capacity W, valid prefix `ring_len[b]`): keys already rotated at their real

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import logging.handlers
 import os
+import queue
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -23,7 +25,7 @@ from .auth import TokenTable, auth_middleware
 from .cohort import encode_cohort, step_cohort
 from .grid import GridClock
 from .metrics import Metrics
-from .middlewares import errors, limits
+from .middlewares import errors, install_log_redaction, limits
 from .rest import routes
 from .services import Services
 from .ws import chat
@@ -72,6 +74,7 @@ async def _close_sockets(app: web.Application) -> None:
 def init(cfg: Config | None = None) -> web.Application:
     cfg = cfg or load_config()
     oc = cfg.orchestrator
+    install_log_redaction()  # ?token= values and Authorization headers never reach a log line
     table = TokenTable.load(tokens_path(cfg), os.environ.get(oc.tokens_env))
     metrics = Metrics()
     middlewares = [errors, limits(oc.max_body_bytes, metrics), auth_middleware(table, oc.anonymous_chat)]
@@ -93,8 +96,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", help="TOML config file (default: $EGOMEM_CONFIG, else built-in defaults)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.config)
-    web.run_app(init(cfg), host=cfg.orchestrator.host, port=cfg.orchestrator.port, print=None)
+    listener = _log_from_a_thread()
+    try:
+        cfg = load_config(args.config)
+        web.run_app(init(cfg), host=cfg.orchestrator.host, port=cfg.orchestrator.port, print=None)
+    finally:
+        listener.stop()  # writes what is still queued
+
+
+def _log_from_a_thread() -> logging.handlers.QueueListener:
+    """Records (every request's access-log line among them) are queued by the event loop and written
+    by a thread, so a slow disk never stalls a tick. The redaction filter (init) sits on the queue side."""
+    root = logging.getLogger()
+    q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    listener = logging.handlers.QueueListener(q, *root.handlers, respect_handler_level=True)
+    root.handlers = [logging.handlers.QueueHandler(q)]
+    listener.start()
+    return listener
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Who is there, and what they know: the orchestrator's seams to identification and retrieval.
 
 - `Perception.faces(jpeg)` / `.voice(pcm)`: the `face_encoder` / `speaker_encoder` models on Triton.
-- `Perception.identify(...)`: `egomem.identity.Identifier` over the store's biometric keys, the index
+- `Perception.identify(...)`: `egomem.identity.StoreBackedIdentifier` (the memory worker uses the same), its index
   rebuilt whenever `store.keys_generation()` changes (enrolment, merge, forget).
 - `Perception.retrieve(user_id, query)`: Level-2 retrieval (`egomem.retrieval`) over the user's
   relation-graph neighbours, re-ranked with the `text_encoder` model on Triton.
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from egomem.config import Config
-from egomem.identity import Identification, Identifier, KeyRecord, UserKeyIndex
+from egomem.identity import Identification, StoreBackedIdentifier
 from egomem.memory import MemoryStore
 from egomem.retrieval import Hit, Level2Retriever, Neighbour, RetrievalQuery
-from egomem.serving.client import AsyncTritonClient
+from egomem.serving.client import AsyncTritonClient, channel_args
 
 
 @dataclass
@@ -39,8 +39,10 @@ def decode_image(data: bytes, max_pixels: int) -> np.ndarray:
         if img.width * img.height > max_pixels:
             raise ValueError(f"video frame {img.width}x{img.height} is over identity.max_image_pixels")
         return np.asarray(img.convert("RGB"), dtype=np.uint8)  # [H, W, 3]
-    except (UnidentifiedImageError, OSError) as e:
-        raise ValueError(f"video frame is not a JPEG/PNG image: {e}") from None
+    except UnidentifiedImageError:  # its text names the BytesIO object (a memory address), not the problem
+        raise ValueError(f"video frame is not a JPEG/PNG image: Pillow cannot identify its {len(data)} bytes") from None
+    except OSError as e:  # e.g. "image file is truncated"
+        raise ValueError(f"video frame is not a decodable JPEG/PNG image: {e}") from None
 
 
 class _TritonTextEncoder:
@@ -50,7 +52,7 @@ class _TritonTextEncoder:
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
-        self._client = grpcclient.InferenceServerClient(url)
+        self._client = grpcclient.InferenceServerClient(url, channel_args=channel_args())  # reconnects fast
         self.timeout_s = timeout_s
 
     def encode(self, texts) -> np.ndarray:
@@ -70,9 +72,15 @@ class Perception:
         self.cfg = cfg
         self.triton = triton
         self.store = store
-        self._lock = threading.Lock()
-        self._generation: int | None = None
-        self.identifier = Identifier.from_config(cfg.identity)
+        # Locks (issue #11: a forget must never wait behind a retrieval's text-encoder call):
+        # `_retrieving` serialises retrievals (the retriever's caches are not thread-safe) and is held
+        # across the encoder call, so nothing but another retrieval ever takes it. `_state` is held
+        # only for a few assignments and a cache clear; forget takes only that one.
+        self._retrieving = threading.Lock()
+        self._state = threading.Lock()
+        self.forgets = 0  # bumped by every forget; a retrieval that spans one is redone
+        self._busy = False  # a retrieval is using the retriever's caches (under `_state`)
+        self.identifier = StoreBackedIdentifier(store, cfg.identity)  # the memory worker's identifier too
         self._text = _TritonTextEncoder(triton.url, cfg.orchestrator.triton_timeout_s) if use_text_encoder else None
         self.retriever = Level2Retriever.from_config(cfg.retrieval, self._text)
         self.retriever.memchunk_steps = min(self.retriever.memchunk_steps, cfg.dialog.l2_steps)
@@ -96,38 +104,47 @@ class Perception:
         return r["EMBEDDING"].astype(np.float32) if bool(r["VOICED"].reshape(-1)[0]) else None
 
     # -- identification (blocking: store reads + faiss) -----------------------------------------
-    def _sync_index(self) -> None:
-        gen = self.store.keys_generation()
-        if gen == self._generation:
-            return
-        keys = self.store.list_keys()
-        self.identifier.index = UserKeyIndex.rebuild(
-            KeyRecord(k.user_id, k.modality, k.model_id, np.asarray(k.vector, np.float32)) for k in keys)
-        self._generation = gen
-
     def identify(self, face_vecs: np.ndarray | None, speaker: int, voice_vec: np.ndarray | None) -> Identification:
-        with self._lock:
-            self._sync_index()
-            return self.identifier.identify(face_vecs, voice_vec, speaker=max(speaker, 0))
+        return self.identifier.identify(face_vecs, voice_vec, speaker=speaker)
 
     def forget(self) -> None:
         """A user was forgotten: rebuild the key index at the next identification (even if the store's
         generation were unchanged) and drop the retrieval caches, which hold memory texts."""
-        with self._lock:
-            self._generation = None
-            self.retriever.clear()
+        self.identifier.invalidate()
+        with self._state:
+            self.forgets += 1
+            if not self._busy:  # else the running retrieval sees `forgets` move and clears as it ends
+                self.retriever.clear()
 
-    def user_name(self, user_id: str) -> str:
+    def user_name(self, user_id: str) -> str | None:
+        """The user's name; None when no such user lives (forgotten, or merged away)."""
         u = self.store.resolve_user(user_id)
-        return u.name if u else "?"
+        return u.name if u else None
 
     def profile_text(self, user_id: str, max_chars: int) -> str:
         return self.store.render_profile(user_id, max_chars=max_chars)
 
     # -- Level-2 retrieval (blocking) -------------------------------------------------------------
-    def retrieve(self, user_id: str | None, query: RetrievalQuery) -> list[Hit]:
+    def retrieve(self, user_id: str | None, query: RetrievalQuery, attempts: int = 3) -> list[Hit]:
+        """Hits from the store as it is after any forget that ran meanwhile: a retrieval that a forget
+        overlapped drops the caches it filled (they may hold the forgotten person's memories) and is
+        redone from the store; `[]` after `attempts` overlapped tries."""
         if user_id is None:
             return []
-        neighbours = [Neighbour(n.name, n.relation, tuple(n.items)) for n in self.store.neighbour_memories(user_id)]
-        with self._lock:  # the retriever's embedding cache is not thread-safe
-            return self.retriever.retrieve(query, neighbours)
+        for _ in range(attempts):
+            seen = self.forgets
+            neighbours = [Neighbour(n.name, n.relation, tuple(n.items)) for n in self.store.neighbour_memories(user_id)]
+            with self._retrieving:
+                with self._state:
+                    self._busy = True
+                try:
+                    hits = self.retriever.retrieve(query, neighbours)  # the text-encoder call: no `_state` held
+                finally:
+                    with self._state:
+                        self._busy = False
+                        stale = self.forgets != seen
+                        if stale:
+                            self.retriever.clear()
+            if not stale:
+                return hits
+        return []

@@ -1,6 +1,6 @@
 """One chat stream's loops: the 12.5 Hz dialog tick, the 2 s polling loop, query detection, recording.
 
-Dialog tick (every 80 ms, DESIGN.md §8; driven by the grid clock shared by all streams, orchestrator/grid.py,
+Dialog tick (every 80 ms, docs/architecture.md#one-80-ms-tick; driven by the grid clock shared by all streams, orchestrator/grid.py,
 or with `tick_clock = "input"` by the stream's own loop; the model calls for a cohort of streams are in
 orchestrator/cohort.py):
   1. take 1920 samples of client audio (`next_frame`); none ready -> silence is fed (a late frame), the
@@ -293,6 +293,8 @@ class Stream:
             return
         dt = time.monotonic() - t0
         self.s.metrics.observe("egomem_retrieval_seconds", dt)
+        if self.user_id != user:  # the person changed or was forgotten meanwhile: these facts are not theirs
+            return
         texts = [h.document.text() for h in hits]
         self.send(pack_event("retrieval", user_id=user, query={"relations": list(query.relations),
                                                               "keywords": list(query.keywords)},
@@ -342,13 +344,18 @@ class Stream:
         if faces is None and voice is None:
             return
         self.polls += 1
+        forgets = p.forgets
         ident = await asyncio.to_thread(p.identify, faces, speaker, voice)
         dt = time.monotonic() - t0
         self.s.metrics.observe("egomem_identification_seconds", dt)
         if ident.user_id is None or ident.user_id == self.user_id:
             return
-        previous, self.user_id = self.user_id, ident.user_id
+        if p.forgets != forgets:  # a forget landed during the search: its answer may name the forgotten
+            return  # person; the next poll asks the rebuilt index
         name = await asyncio.to_thread(p.user_name, ident.user_id)
+        if name is None:  # gone since (forgotten, or merged away): never personalise for them
+            return
+        previous, self.user_id = self.user_id, ident.user_id
         self.send(pack_event("user_recognised", user_id=ident.user_id, name=name, decided_by=ident.decided_by,
                              previous_user_id=previous, latency_ms=round(dt * 1000, 1), poll=self.polls,
                              face_distance=ident.face_distance, voice_score=ident.voice_score))

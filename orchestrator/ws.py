@@ -2,8 +2,10 @@
 
 Admission: a free stream slot or a close with 1013 "no free stream slot". Reading: each message is
 checked (kind, size, rate, payload) — a malformed one gets a 0x05 error and is dropped; a client
-that keeps sending garbage, or over the rate limit, is closed with 1008. Writing: a bounded outbox
-drained by its own task, so a slow or vanished client never blocks the stream's ticks.
+that keeps sending garbage, or over the rate limit, is closed with 1008 after its errors were sent.
+Audio is bounded per message and per second and decoded off the event loop (orchestrator/audio_input.py),
+so one client's audio can never stall the others' ticks. Writing: a bounded outbox drained by its own
+task, so a slow or vanished client never blocks the stream's ticks; errors are never dropped from it.
 """
 
 from __future__ import annotations
@@ -14,60 +16,87 @@ import logging
 import time
 import uuid
 
-import sphn
 from aiohttp import WSMsgType, web
 
 from egomem.protocol import (
-    AUDIO, CLOSE_POLICY, CLOSE_TRY_LATER, CONTROL, ERROR, SAMPLE_RATE, TRANSCRIPT, VIDEO, ProtocolError,
+    AUDIO, CLOSE_POLICY, CLOSE_TRY_LATER, CONTROL, ERROR, TRANSCRIPT, VIDEO, ProtocolError, check_video_frame,
     pack, parse_json, parse_text, unpack,
 )
 
+from .audio_input import AudioInput
 from .services import Services
 from .stream import Stream
 
 log = logging.getLogger(__name__)
 MAX_MALFORMED = 20  # malformed messages tolerated per stream before it is closed
 SEND_TIMEOUT_S = 5.0  # one send blocked this long: the client is gone
+FLUSH_TIMEOUT_S = 2.0  # before a close, queued messages (the errors that explain it) get this long to go out
 
 
 class Outbox:
-    """Bounded outbound queue. When full, audio goes first (text, events and errors are kept)."""
+    """Bounded outbound queue. When full, audio goes first, then the oldest text or event. 0x05 errors
+    are never dropped: each answers a client message that counts toward the malformed close, so at
+    most MAX_MALFORMED + 2 of them are ever queued (a new non-error is dropped when only errors are)."""
 
     def __init__(self, capacity: int, on_drop):
         self.capacity = capacity
         self.q: collections.deque[bytes] = collections.deque()
         self.ready = asyncio.Event()
-        self.closed = False
+        self.closed = False  # nothing more is taken
+        self.final = False  # the stream is being closed: only errors are still taken
+        self.sending = False  # a message is on its way out (popped, not yet sent)
+        self.gone = False  # the drain task ended: nothing queued will be sent
         self.on_drop = on_drop
 
     def put(self, msg: bytes) -> None:
-        if self.closed:
+        if self.closed or (self.final and msg[0] != ERROR):
             return
         if len(self.q) >= self.capacity:
             victim = next((m for m in self.q if m[0] == AUDIO), None)
             if victim is None and msg[0] == AUDIO:
                 self.on_drop()
                 return
+            if victim is None:
+                victim = next((m for m in self.q if m[0] != ERROR), None)
             if victim is not None:
                 self.q.remove(victim)
-            else:
-                self.q.popleft()
-            self.on_drop()
+                self.on_drop()
+            elif msg[0] != ERROR:  # only errors queued: they stay, the newcomer goes
+                self.on_drop()
+                return
         self.q.append(msg)
         self.ready.set()
 
+    def finish(self) -> None:
+        """The stream is closing: drop queued audio (its moment has passed), take only errors from now."""
+        self.final = True
+        for m in [m for m in self.q if m[0] == AUDIO]:
+            self.q.remove(m)
+
+    async def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Wait until everything queued was sent, the client is gone, or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        while (self.q or self.sending) and not self.gone and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
     async def drain(self, ws: web.WebSocketResponse) -> None:
-        while True:
-            await self.ready.wait()
-            self.ready.clear()
-            while self.q:
-                msg = self.q.popleft()
-                if ws.closed:
-                    return
-                try:
-                    await asyncio.wait_for(ws.send_bytes(msg), SEND_TIMEOUT_S)
-                except (ConnectionError, RuntimeError, asyncio.TimeoutError):
-                    return  # the client is gone; the reader loop ends too
+        try:
+            while True:
+                await self.ready.wait()
+                self.ready.clear()
+                while self.q:
+                    msg = self.q.popleft()
+                    if ws.closed:
+                        return
+                    self.sending = True
+                    try:
+                        await asyncio.wait_for(ws.send_bytes(msg), SEND_TIMEOUT_S)
+                    except (ConnectionError, RuntimeError, asyncio.TimeoutError):
+                        return  # the client is gone; the reader loop ends too
+                    finally:
+                        self.sending = False
+        finally:
+            self.gone = True
 
 
 class RateLimit:
@@ -93,7 +122,8 @@ async def chat(request: web.Request) -> web.WebSocketResponse:
 
     s: Services = request.app[SERVICES]
     oc = s.cfg.orchestrator
-    ws = web.WebSocketResponse(max_msg_size=oc.max_message_bytes, heartbeat=20.0)
+    # aiohttp refuses a message of max_msg_size bytes or more; ours is "over max_message_bytes" (README)
+    ws = web.WebSocketResponse(max_msg_size=oc.max_message_bytes + 1, heartbeat=20.0)
     await ws.prepare(request)
     if s.free_slots <= 0:
         s.metrics.inc("egomem_streams_rejected_total")
@@ -136,70 +166,65 @@ async def _close_when_done(stream: Stream, ws: web.WebSocketResponse, outbox: Ou
         await asyncio.sleep(0.01)
     if stream.failure is not None and not ws.closed:
         stream.s.metrics.inc("egomem_stream_failures_total")
-        try:
-            await asyncio.wait_for(ws.send_bytes(pack(ERROR, str(stream.failure).encode())), 1.0)
-        except (ConnectionError, RuntimeError, asyncio.TimeoutError):
-            pass
-        outbox.closed = True
-        await ws.close(code=stream.failure.close_code, message=str(stream.failure)[:120].encode())
+        await _refuse(ws, outbox, stream.failure.close_code, str(stream.failure))
 
 
 async def _read(ws: web.WebSocketResponse, stream: Stream, s: Services, outbox: Outbox) -> None:
+    """Every client message until the client leaves, the stream ends, or a limit closes it. Every
+    malformed message gets its 0x05 error; the (MAX_MALFORMED + 1)th also closes with 1008."""
     oc = s.cfg.orchestrator
-    opus_in = sphn.OpusStreamReader(SAMPLE_RATE)
+    audio = AudioInput(oc, stream.stream_id)
     rate = RateLimit(oc.max_messages_per_s)
     malformed = 0
-    async for msg in ws:
-        if msg.type == WSMsgType.ERROR:  # e.g. over max_message_bytes: aiohttp closes with 1009
-            s.metrics.inc("egomem_malformed_messages_total")
-            break
-        if not rate.allow():
-            s.metrics.inc("egomem_malformed_messages_total")
-            await _refuse(ws, CLOSE_POLICY, f"over {oc.max_messages_per_s:g} messages per second")
-            break
-        try:
-            if msg.type != WSMsgType.BINARY:
-                raise ProtocolError("messages are binary frames: one kind byte, then the payload")
-            kind, payload = unpack(msg.data)
-            if kind == AUDIO:
-                if not payload.startswith(b"OggS"):
-                    raise ProtocolError("audio payload is not an Ogg/Opus stream (each message holds whole Ogg pages)")
-                try:
-                    pcm = opus_in.append_bytes(payload)
-                except Exception as e:  # noqa: BLE001 - sphn raises plain exceptions on bad Ogg data
-                    opus_in = sphn.OpusStreamReader(SAMPLE_RATE)  # start a clean decoder for what follows
-                    raise ProtocolError(f"audio payload is not an Ogg/Opus stream: {e}") from None
-                stream.push_pcm(pcm)
-            elif kind == VIDEO:
-                if not payload:
-                    raise ProtocolError("empty video frame")
-                stream.push_video(payload)
-            elif kind == TRANSCRIPT:
-                stream.push_transcript(parse_text(payload))
-            elif kind == CONTROL:
-                obj = parse_json(payload)
-                if obj["type"] == "model_text" and oc.accept_model_text and isinstance(obj.get("text"), str):
-                    stream.push_model_text(obj["text"][: s.cfg.retrieval.max_query_chars])
-                elif obj["type"] == "model_text":
-                    raise ProtocolError("model_text control is disabled (orchestrator.accept_model_text = false)")
-                else:
-                    raise ProtocolError(f"unknown control type {obj['type']!r}")
-            else:
-                raise ProtocolError(f"unknown message kind 0x{kind:02x}")
-        except ProtocolError as e:
-            malformed += 1
-            s.metrics.inc("egomem_malformed_messages_total")
-            outbox.put(pack(ERROR, str(e).encode()))
-            if malformed > MAX_MALFORMED:
-                await _refuse(ws, CLOSE_POLICY, f"more than {MAX_MALFORMED} malformed messages")
-                break
-        if stream.closed.is_set():
-            break
-
-
-async def _refuse(ws: web.WebSocketResponse, code: int, reason: str) -> None:
     try:
-        await asyncio.wait_for(ws.send_bytes(pack(ERROR, reason.encode())), 1.0)
-    except (ConnectionError, RuntimeError, asyncio.TimeoutError):
-        pass
-    await ws.close(code=code, message=reason.encode())
+        async for msg in ws:
+            if msg.type == WSMsgType.ERROR:  # e.g. over max_message_bytes: aiohttp closes with 1009
+                s.metrics.inc("egomem_malformed_messages_total")
+                break
+            if not rate.allow():
+                s.metrics.inc("egomem_malformed_messages_total")
+                await _refuse(ws, outbox, CLOSE_POLICY, f"over {oc.max_messages_per_s:g} messages per second")
+                break
+            try:
+                if msg.type != WSMsgType.BINARY:
+                    raise ProtocolError("messages are binary frames: one kind byte, then the payload")
+                kind, payload = unpack(msg.data)
+                if kind == AUDIO:
+                    stream.push_pcm(await audio.decode(payload))  # bounded, then decoded on the stream's thread
+                elif kind == VIDEO:
+                    check_video_frame(payload)
+                    stream.push_video(payload)
+                elif kind == TRANSCRIPT:
+                    stream.push_transcript(parse_text(payload))
+                elif kind == CONTROL:
+                    obj = parse_json(payload)
+                    if obj["type"] == "model_text" and oc.accept_model_text and isinstance(obj.get("text"), str):
+                        stream.push_model_text(obj["text"][: s.cfg.retrieval.max_query_chars])
+                    elif obj["type"] == "model_text":
+                        raise ProtocolError("model_text control is disabled (orchestrator.accept_model_text = false)")
+                    else:
+                        raise ProtocolError(f"unknown control type {obj['type']!r}")
+                else:
+                    raise ProtocolError(f"unknown message kind 0x{kind:02x}")
+            except ProtocolError as e:
+                malformed += 1
+                s.metrics.inc("egomem_malformed_messages_total")
+                outbox.put(pack(ERROR, str(e).encode()))
+                if malformed > MAX_MALFORMED:
+                    await _refuse(ws, outbox, CLOSE_POLICY, f"more than {MAX_MALFORMED} malformed messages")
+                    break
+            if stream.closed.is_set():
+                break
+    finally:
+        audio.close()
+
+
+async def _refuse(ws: web.WebSocketResponse, outbox: Outbox, code: int, reason: str) -> None:
+    """Close the stream with `code`: the errors already queued go out first, then `reason` as a last
+    0x05 error, then the close frame (whose reason is cut to the 123 bytes a close frame holds)."""
+    outbox.finish()
+    outbox.put(pack(ERROR, reason.encode()))
+    await outbox.flush()
+    outbox.closed = True
+    if not ws.closed:
+        await ws.close(code=code, message=reason.encode()[:120].decode("utf-8", "ignore").encode())

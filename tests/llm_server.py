@@ -23,6 +23,8 @@ class FakeOpenAIServer:
         self.responder: Callable[[dict[str, Any]], Any] = lambda req: {}
         self.requests: list[dict[str, Any]] = []
         self.transcriptions: list[dict[str, Any]] = []
+        self.transcription_files: list[bytes] = []  # the uploaded audio files, in order
+        self.transcription_languages: list[str | None] = []
         self.transcript_text = "my name is Zelda and I live in Oslo."
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -58,8 +60,10 @@ class FakeOpenAIServer:
 
     async def _transcribe(self, request: web.Request) -> web.Response:
         form = await request.post()
-        f = form["file"]
-        self.transcriptions.append({"model": form.get("model"), "bytes": len(f.file.read())})  # type: ignore[union-attr]
+        data = form["file"].file.read()  # type: ignore[union-attr]
+        self.transcriptions.append({"model": form.get("model"), "bytes": len(data)})
+        self.transcription_files.append(data)
+        self.transcription_languages.append(form.get("language"))  # type: ignore[arg-type]
         return web.json_response({"text": self.transcript_text})
 
     async def _start(self) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +112,15 @@ def served_orchestrator(triton, run_dir: Path, models: tuple[str, ...] = DIALOG_
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def wait_until(pred, timeout: float) -> None:
+    """Poll `pred` every 50 ms; TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        time.sleep(0.05)
 
 
 def tone(seconds: float, freq: float = 220.0, sr: int = 24000) -> np.ndarray:

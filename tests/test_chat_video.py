@@ -135,3 +135,13 @@ def test_chat_recognises_the_person_in_a_video_from_its_frames(stack, capsys):
     line = next((ln for ln in out.splitlines() if "recognised Jane Roe" in ln), None)
     assert line is not None, out[-3000:]
     assert "by face" in line or "by both" in line
+
+
+def test_chat_refuses_an_image_that_is_not_jpeg_or_png_before_connecting(tmp_path, capsys):
+    notes = tmp_path / "me.jpg"
+    notes.write_text("not a photo\n")
+    rc = run(run_chat("http://127.0.0.1:9", "t", SPEECH[0], [notes], None, None, None))
+    err = capsys.readouterr().err
+    assert rc == 2 and "me.jpg" in err and "not a JPEG or PNG" in err
+    rc = run(run_chat("http://127.0.0.1:9", "t", SPEECH[0], [tmp_path / "gone.png"], None, None, None))
+    assert rc == 2 and "gone.png" in capsys.readouterr().err

@@ -132,6 +132,38 @@ def test_doctor_on_a_broken_install_says_what_to_do(tmp_path):
     assert "-> " in text  # every failure comes with a fix
 
 
+def test_doctor_reports_keys_the_one_identifier_cannot_search(tmp_path):
+    """Live streams and the memory worker identify by one rule from [identity]; keys enrolled under
+    another backend's model id are never searched again, and doctor says so."""
+    import numpy as np
+
+    from egomem.memory.sqlite_store import SQLiteMemoryStore
+
+    cfg = load_config(env={})
+    cfg.memory.database = tmp_path / "m.sqlite3"
+    store = SQLiteMemoryStore(cfg.memory.database)
+    ada = store.create_user("Ada")
+    store.add_key(ada.user_id, "face", "facenet512", np.ones(512, np.float32) / np.sqrt(512))
+    store.add_key(ada.user_id, "voice", "resemblyzer_ge2e", np.ones(256, np.float32) / 16)
+    store.close()
+    lines: list[str] = []
+    run_doctor(cfg, out=lines.append)
+    text = "\n".join(lines)
+    assert "identification (live streams and memory worker alike): face dlib_resnet_v1" in text
+    assert "1 user(s) have face keys of model 'facenet512'" in text and "voice keys" not in text
+    cfg.identity.face_backend = "deepface"  # now the dlib keys would be the stray ones: none here
+    lines.clear()
+    run_doctor(cfg, out=lines.append)
+    assert "have face keys" not in "\n".join(lines)
+
+
+def test_settings_that_moved_say_where_they_live_now(tmp_path):
+    bad = tmp_path / "c.toml"
+    bad.write_text("[memory]\nface_threshold = 0.3\n")
+    with pytest.raises(ConfigError, match=r"memory.face_threshold is no longer a setting.*identity.face_threshold_"):
+        load_config(bad, env={})
+
+
 def test_doctor_cli_exit_status(tmp_path):
     bad = tmp_path / "c.toml"
     bad.write_text(f'[mimi]\nweights = "{tmp_path / "gone.safetensors"}"\n')

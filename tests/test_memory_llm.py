@@ -161,16 +161,17 @@ def test_llm_pipeline_records_model_and_prompt_hash(server, tmp_path, monkeypatc
 
 def test_transcription_endpoint_when_configured_else_marked_fallback(server, tmp_path, monkeypatch):
     monkeypatch.setenv("EGOMEM_TEST_LLM_KEY", "k")
-    cfg = llm_cfg(server, tmp_path, transcription_base_url=server.base_url)
+    cfg = llm_cfg(server, tmp_path)
+    cfg.asr.backend, cfg.asr.base_url = "openai", server.base_url
     audio = (0.1 * np.sin(np.arange(24000) / 10)).astype(np.float32)
-    asr = Transcriber(cfg.llm)
-    t = asr.transcribe(audio, 24000, [(3, "ignored when ASR runs")], [(5, "hello")])
+    asr = Transcriber(cfg.asr, cfg.llm)
+    t = asr.transcribe(audio, 24000, [], [(5, "hello")])
     assert t.source == "asr:whisper-1"
     assert t.text.splitlines() == ["USER (asr:whisper-1): my name is Zelda and I live in Oslo.",
                                    "ASSISTANT (inner monologue): hello"]
-    assert server.transcriptions == [{"model": "whisper-1", "bytes": 44 + 2 * 24000}]  # 16-bit WAV
-    plain = Transcriber(llm_cfg(server, tmp_path).llm).transcribe(audio, 24000, [(9, "b."), (3, "a.")], [(5, "hi")])
-    assert plain.source == "client+monologue"
+    assert server.transcriptions == [{"model": "whisper-1", "bytes": 44 + 2 * 16000}]  # 16 kHz 16-bit WAV
+    plain = asr.transcribe(audio, 24000, [(9, "b."), (3, "a.")], [(5, "hi")])  # client lines win: no upload
+    assert plain.source == "client+monologue" and len(server.transcriptions) == 1
     assert plain.text.splitlines() == ["USER (client transcript): a. b.", "ASSISTANT (inner monologue): hi"]
 
 

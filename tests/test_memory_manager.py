@@ -21,49 +21,9 @@ from egomem.memory.segment import spans_to_labels
 from egomem.memory.sqlite_store import SQLiteMemoryStore
 from egomem.memory.types import UNKNOWN_USER
 from egomem.memory.worker import build_manager, process_next_job, run_worker
+from tests.memory_helpers import FACE_B, FACE_Z, VOICE_Z, ColumnLabeler, make_chunk, near, unit
 
 PY = sys.executable
-T = 160  # steps per test chunk (12.8 s)
-
-
-class ColumnLabeler:
-    """Test double for the trigger model: the test writes each step's label into the text-token column."""
-
-    def label(self, tokens: np.ndarray) -> np.ndarray:
-        return tokens[:, 0] % 4
-
-
-def unit(seed: int, d: int = 128) -> np.ndarray:
-    v = np.random.default_rng(seed).standard_normal(d).astype(np.float32)
-    return v / np.linalg.norm(v)
-
-
-def near(v: np.ndarray, seed: int) -> np.ndarray:
-    """Another sighting of the same face: a little noise."""
-    return v + 0.05 * unit(seed + 1000, v.shape[0])
-
-
-FACE_Z, VOICE_Z, FACE_B = unit(1), unit(2, 256), unit(3)
-
-
-def make_chunk(stream: str, index: int, sessions: list[dict]) -> StreamChunk:
-    """sessions: dicts with span=(start, end), user=[(step, text)], face=vec|None, voice=vec|None."""
-    spans = [s["span"] for s in sessions]
-    tokens = np.random.default_rng(index).integers(0, 2048, size=(T, 17))
-    tokens[:, 0] = spans_to_labels(spans, T)  # the labeler test double reads these
-    chunk = StreamChunk(stream, index, 1000.0 + index * T * 0.08, tokens)
-    for k, s in enumerate(sessions):
-        a, b = s["span"]
-        chunk.client_transcript += s["user"]
-        chunk.monologue.append((a + 2, "Nice to talk to you."))
-        for j, step in enumerate(range(a + 5, b, 10)):
-            if s.get("face") is not None:
-                chunk.faces.append((step, near(s["face"], 10 * index + j + 100 * k)))
-            if s.get("voice") is not None:
-                chunk.voices.append((step, near(s["voice"], 10 * index + j + 100 * k)))
-    return chunk
-
-
 def chunk_a() -> StreamChunk:
     return make_chunk("s1", 0, [
         {"span": (10, 60), "face": FACE_Z, "voice": VOICE_Z,
@@ -303,25 +263,32 @@ def test_forget_after_the_pipeline(tmp_path):
     assert receipt.leftovers == []
     assert store.verify_forgotten(zelda, vecs, "Zelda") == []
     assert store.verify_forgotten(zelda, [], "Paris") == []  # her transcripts and facts are gone
-    assert mgr.identifier.identify(np.stack([FACE_Z]), None) is None
+    assert mgr.identifier.identify(np.stack([FACE_Z]), None).user_id is None
     assert len(store.list_sessions()) == 1  # Bob's session stays
 
 
-def test_the_identification_module_plugs_in_unchanged(tmp_path):
-    ident_mod = pytest.importorskip("egomem.identity.identify", reason="egomem.identity (issue 4) not present")
-    from egomem.identity.index import UserKeyIndex
+def test_the_worker_identifies_with_the_live_streams_identifier_and_its_model_ids(tmp_path):
+    """One identifier: the worker's is `egomem.identity`'s (s-norm, conflict rule), with the model ids
+    and thresholds of [identity]; switching a backend switches the ids keys are written and searched under."""
+    from egomem.identity import StoreBackedIdentifier
+    from egomem.identity.identify import FACE_MODEL_IDS, VOICE_MODEL_IDS
 
     cfg = cfg_for(tmp_path)
     store = SQLiteMemoryStore(cfg.memory.database)
     mgr = build_manager(cfg, store, labeler=ColumnLabeler())
+    assert isinstance(mgr.identifier, StoreBackedIdentifier)
+    assert mgr.identifier.identifier.snorm is not None  # voices are s-normed, as on live streams
     zelda = mgr.process_chunk(chunk_a())[0].user_id
-    # the real identifier over a faiss index rebuilt from the store's keys (no s-norm: no cohort here)
-    real = ident_mod.Identifier(UserKeyIndex.rebuild(store.list_keys()), cfg.memory.face_model_id,
-                                cfg.memory.voice_model_id, face_threshold=0.3, voice_threshold=0.7)
-    mgr.identifier = real
+    assert {(k.modality, k.model_id) for k in store.list_keys(user_id=zelda)} == {
+        ("face", FACE_MODEL_IDS["dlib"]), ("voice", VOICE_MODEL_IDS["resemblyzer"])}
     out = mgr.process_chunk(chunk_b())
     assert out[0].user_id == zelda and not out[0].new_user
     assert [f.text for f in store.facts(zelda)] == ["lives in Rome"]
+
+    cfg.identity.face_backend = "deepface"  # the paper's face model: its keys are other vectors
+    other = build_manager(cfg, SQLiteMemoryStore(tmp_path / "other.sqlite3"), labeler=ColumnLabeler())
+    z2 = other.process_chunk(chunk_a())[0].user_id
+    assert {k.model_id for k in other.store.list_keys(user_id=z2, modality="face")} == {FACE_MODEL_IDS["deepface"]}
 
 
 def test_a_mentioned_person_who_later_talks_to_us_joins_the_graph(tmp_path):
@@ -485,3 +452,35 @@ def test_identity_split_leaves_one_person_across_a_long_pause(tmp_path, real_voi
     assert mgr.sessions_of(chunk) == [(10, 330)]
     out = mgr.process_chunk(chunk)
     assert len(out) == 1 and store.get_user(out[0].user_id).name == "Arthur"
+
+
+def test_no_client_line_is_dropped_outside_the_sessions(tmp_path):
+    """A line before the trigger's session (a `--say` at step 0) and one after it both reach the
+    session's user; a chunk where the trigger found no session at all gets a session for its lines."""
+    from egomem.memory.manager import assign_lines
+
+    assert assign_lines([(10, 60), (90, 140)], [(0, "a"), (30, "b"), (75, "c"), (76, "d"), (150, "e")]) == [
+        [(0, "a"), (30, "b"), (75, "c")], [(76, "d"), (150, "e")]]  # inside, else nearest (earlier on a tie)
+    assert assign_lines([], [(3, "x")]) == []
+
+    cfg = cfg_for(tmp_path)
+    store = SQLiteMemoryStore(cfg.memory.database)
+    mgr = build_manager(cfg, store, labeler=ColumnLabeler())
+    chunk = make_chunk("s1", 0, [{"span": (20, 80), "face": FACE_Z, "user": [(40, "I like jazz.")]}])
+    chunk.client_transcript = [(0, "Hi, my name is Ada. I live in Lisbon.")] + chunk.client_transcript + [
+        (150, "I love tennis.")]
+    [out] = mgr.process_chunk(chunk)
+    ada = store.resolve_user(out.user_id)
+    assert ada.name == "Ada" and [f.text for f in store.facts(ada.user_id)] == ["lives in Lisbon"]
+    assert sorted(p.text for p in store.preferences(ada.user_id)) == ["jazz", "tennis"]
+    assert "my name is Ada" in store.get_session(out.session_id).transcript
+
+    silent = make_chunk("s2", 0, [])  # the trigger sees no dialog, but the client said something
+    silent.client_transcript = [(5, "My name is Bruno. I work as a chef.")]
+    silent.faces = [(30, near(FACE_B, 1)), (60, near(FACE_B, 2))]
+    [made] = mgr.process_chunk(silent)
+    bruno = store.resolve_user(made.user_id)
+    assert (made.start_step, made.end_step) == (5, 5) and bruno.name == "Bruno"
+    assert [f.text for f in store.facts(bruno.user_id)] == ["works as chef"]
+    assert {k.modality for k in store.list_keys(user_id=bruno.user_id)} == {"face"}  # the nearest poll's face
+    assert mgr.process_chunk(silent)[0].status == "already_done"  # the made session is as idempotent as any

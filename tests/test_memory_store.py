@@ -13,13 +13,16 @@ import numpy as np
 import pytest
 
 from egomem.memory import sqlite_store
-from egomem.memory.identify import StoreIdentifier
+from egomem.config import IdentityConfig
+from egomem.identity import StoreBackedIdentifier
+from egomem.identity.identify import FACE_MODEL_IDS, VOICE_MODEL_IDS
 from egomem.memory.redact import MARKER, mentions, name_pattern, redact
 from egomem.memory.sqlite_store import SQLiteMemoryStore
 from egomem.memory.store import StoreError, VersionConflict
 from egomem.memory.types import PersonaUpdate, Provenance, SessionCommit, NewKey, ItemDecision
 
 PY = sys.executable
+FACE_MODEL, VOICE_MODEL = FACE_MODEL_IDS["dlib"], VOICE_MODEL_IDS["resemblyzer"]  # the [identity] defaults
 
 
 class Clock:
@@ -84,7 +87,7 @@ def _populate_zelda(s: SQLiteMemoryStore) -> tuple[str, str, list[np.ndarray]]:
     s.commit_session(SessionCommit(
         session_id="sess-z", stream_id="st", chunk_index=0, start_step=0, end_step=99, valid_from=5.0,
         provenance=prov, new_user_id="zid-0123456789abcdef", name="Zelda Quixbury",
-        keys=[NewKey("face", "m_face", face), NewKey("voice", "m_voice", voice)],
+        keys=[NewKey("face", FACE_MODEL, face), NewKey("voice", VOICE_MODEL, voice)],
         decisions=[ItemDecision("add", "fact", "Zelda Quixbury lives in Oslo", "lives_in"),
                    ItemDecision("add", "preference", "sailing", polarity="like")],
         persona=[PersonaUpdate(3, 0.9, 0.7, "Zelda Quixbury talks to everyone")],
@@ -101,8 +104,8 @@ def test_forget_leaves_no_trace_in_any_table_index_or_file(tmp_path):
     db = tmp_path / "m.db"
     s = SQLiteMemoryStore(db)
     zid, bob, vectors = _populate_zelda(s)
-    ident = StoreIdentifier(s, "m_face", "m_voice")
-    assert ident.identify(vectors[0][None], None) == zid
+    ident = StoreBackedIdentifier(s, IdentityConfig())  # the one identifier, [identity] defaults
+    assert ident.identify(vectors[0][None], None).user_id == zid
     assert s.verify_forgotten(zid, vectors, "Zelda Quixbury")  # the scan does see her before
 
     receipt = s.forget_user(zid, Provenance("admin", "manual"), reason="user asked")
@@ -120,8 +123,8 @@ def test_forget_leaves_no_trace_in_any_table_index_or_file(tmp_path):
     assert [f.text for f in s.facts(bob)] == ["plays chess"] and s.relations(bob) == []
     last = s.op_log()[-1]
     assert last.op == "forget" and last.user_id is None and last.detail["forget_id"] == receipt.forget_id
-    assert zid not in StoreIdentifier(s, "m_face", "m_voice").indexed_users()
-    assert ident.identify(vectors[0][None], None) is None  # the live index rebuilt itself
+    assert zid not in StoreBackedIdentifier(s, IdentityConfig()).indexed_users()
+    assert ident.identify(vectors[0][None], None).user_id is None  # the live index rebuilt itself
     assert s.dead_letters() == [] and s.get_llm_response("h1") is None
 
 

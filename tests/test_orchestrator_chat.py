@@ -14,7 +14,7 @@ import pytest
 from egomem import protocol as P
 from egomem.client import ChatRefused, EgoMemClient, stream_audio
 from egomem.memory import open_store
-from tests.orchestrator_harness import STREAM_TOKEN, run, served_orchestrator, tone
+from tests.orchestrator_harness import STREAM_TOKEN, run, served_orchestrator, tone, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +23,6 @@ def orch(triton, tmp_path_factory):
     with served_orchestrator(triton, d, identify_models=False, retrieval=False, max_streams=2,
                              accept_model_text=False) as o:
         yield o
-
-
-def wait_until(pred, timeout: float):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        time.sleep(0.05)
 
 
 def test_moshi_protocol_handshake_and_opus_round_trip(orch):

@@ -4,7 +4,7 @@ Built from `moshi`'s own classes (`moshi.models.loaders.get_mimi`). Two presets 
 architecture:
   - `full`: the released Mimi shape (79 M parameters); real weights load from a local safetensors.
   - `tiny`: the same classes with fewer channels and layers, so many streams run in real time on a
-    2-core CPU (DESIGN.md §10: full size streams 4 CPU streams at ~91 ms per 80 ms frame).
+    2-core CPU (docs/departures.md#d04-tiny-mimi-preset-on-cpu: full size streams 4 CPU streams at ~91 ms per 80 ms frame).
 With no weights configured the model is random-initialised from a fixed seed, so every process that
 builds it (the Triton model, the trigger's data builder, tests) produces the same codes.
 

@@ -1,4 +1,4 @@
-"""The dialog engine: batched full-duplex RQ-Transformer streams with MemChunk KV slots (DESIGN.md §4)."""
+"""The dialog engine: batched full-duplex RQ-Transformer streams with MemChunk KV slots (docs/kv-cache.md#memchunk-kv-layout)."""
 
 from .checkpoint import CheckpointError, build_lm
 from .engine import DialogEngine, NoFreeSlotError

@@ -9,7 +9,7 @@ modules, never copied; greedy outputs equal LMGen's (tests/test_dialog_engine.py
 
 `write_memchunk(slot, level, text_tokens)` refreshes a MemChunk: one forward pass over the chunk's
 steps for that slot (L2 attends to L1); keys are kept at their positions inside the chunk and rotated on
-to the chunk's virtual positions at read time (DESIGN.md §4, kv_cache.py).
+to the chunk's virtual positions at read time (docs/kv-cache.md#positions-rotate-on-read, kv_cache.py).
 """
 
 from __future__ import annotations

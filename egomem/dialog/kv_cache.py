@@ -7,7 +7,7 @@ depend on the dialog, and `decode_attention` rotates the chunk on to its virtual
 rotated at their real dialog position. Per slot we track how much of L1/L2 is valid and how many
 dialog steps were written; the ring keeps the last W of them (ring index `step % W`).
 
-Position rule (DESIGN.md §4): after writing dialog step t, the ring holds steps
+Position rule (docs/kv-cache.md#positions-rotate-on-read): after writing dialog step t, the ring holds steps
 max(0, t + 1 - W) .. t, and the valid chunk (c = l1_len + l2_len steps) sits at virtual positions
 `oldest - c .. oldest - 1`, right before the oldest ring step. Dialog step t has position t, so while
 t < W the layout is the training one (chunk then dialog) shifted by a constant, which RoPE ignores.

@@ -6,7 +6,7 @@ Per modality (thresholds per model, from config):
     (raw cosine when no cohort is configured). s-norm reorders users, so the top `snorm_candidates`
     keys by raw score are re-scored and the best s' wins.
 
-Decision rule (documented in DESIGN.md §6 terms):
+Decision rule (docs/architecture.md#identification-every-2-s):
   1. both accept the same user -> that user, decided_by "both";
   2. the voice's user is an accepted match of *another* face in view -> that user, "both" (the person
      talking is visible but not the largest/most central face);

@@ -1,4 +1,4 @@
-"""Adaptive symmetric score normalisation (AS-norm) for speaker verification (DESIGN.md §6).
+"""Adaptive symmetric score normalisation (AS-norm) for speaker verification (docs/architecture.md#identification-every-2-s).
 
     s' = ½ [ (s − μ_e) / σ_e + (s − μ_t) / σ_t ]
 

@@ -1,4 +1,4 @@
-"""Lifelong memory (DESIGN.md §7): the durable store, the LLM / rule agents, the memory manager.
+"""Lifelong memory (docs/architecture.md#memory-store): the durable store, the LLM / rule agents, the memory manager.
 
 Entry points:
 - `open_store(cfg.memory) -> MemoryStore`: users, keys, facts, preferences, summaries, persona,
@@ -10,7 +10,7 @@ Entry points:
 """
 
 from egomem.memory.chunk import StreamChunk, submit_chunk
-from egomem.memory.identify import Identifier, StoreIdentifier
+from egomem.memory.identify import Identifier
 from egomem.memory.manager import MemoryManager
 from egomem.memory.segment import TriggerLabeler, decode_sessions
 from egomem.memory.store import MemoryStore, StoreError, VersionConflict, open_store
@@ -26,7 +26,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'egomem.memory' has no attribute {name!r}")
 
 __all__ = [
-    "Identifier", "MemoryManager", "MemoryStore", "Provenance", "StoreError", "StoreIdentifier", "StreamChunk",
+    "Identifier", "MemoryManager", "MemoryStore", "Provenance", "StoreError", "StreamChunk",
     "TriggerLabeler", "UNKNOWN_USER", "VersionConflict", "decode_sessions", "open_store", "run_worker",
     "submit_chunk",
 ]

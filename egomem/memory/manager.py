@@ -1,4 +1,4 @@
-"""The memory manager: a recorded stream chunk in, durable per-user memories out (DESIGN.md §7).
+"""The memory manager: a recorded stream chunk in, durable per-user memories out (docs/architecture.md#recording-to-memory).
 
     tokens -> trigger labels -> sessions -> identity split (one person per session) -> for each session:
         identify the user (face / voice keys) -> transcript (ASR or client + monologue)
@@ -46,11 +46,10 @@ class SessionOutcome:
 
 class MemoryManager:
     def __init__(self, store: MemoryStore, labeler: TriggerLabeler, identifier: Identifier, extractor: Extractor,
-                 updater: UpdateAgent, transcriber: Transcriber, face_model_id: str, voice_model_id: str,
-                 trigger_chunk_steps: int = 8192, max_conflict_retries: int = 5, split_rule: SplitRule | None = None):
+                 updater: UpdateAgent, transcriber: Transcriber, trigger_chunk_steps: int = 8192,
+                 max_conflict_retries: int = 5, split_rule: SplitRule | None = None):
         self.store, self.labeler, self.identifier = store, labeler, identifier
         self.extractor, self.updater, self.transcriber = extractor, updater, transcriber
-        self.models = {"face": face_model_id, "voice": voice_model_id}
         self.window = trigger_chunk_steps
         self.max_conflict_retries = max_conflict_retries
         self.split_rule = split_rule  # None: trigger sessions as decoded (trigger.identity_split = false)
@@ -61,9 +60,12 @@ class MemoryManager:
 
         sessions = decode_sessions(label_stream(self.labeler, chunk.tokens, self.window))
         if self.split_rule is None:
-            within = lambda track, a, b: [t for t, _ in track if a <= t <= b]  # noqa: E731
-            return [Piece(a, b, within(chunk.faces, a, b), within(chunk.voices, a, b)) for a, b in sessions]
-        return split_sessions(sessions, chunk.tokens, chunk.faces, chunk.voices, self.split_rule)
+            pieces = [Piece(a, b, _within(chunk.faces, a, b), _within(chunk.voices, a, b)) for a, b in sessions]
+        else:
+            pieces = split_sessions(sessions, chunk.tokens, chunk.faces, chunk.voices, self.split_rule)
+        if not pieces and chunk.client_transcript:  # words with no session around them still reach memory
+            pieces = [_session_for_lines(chunk)]
+        return pieces
 
     def sessions_of(self, chunk: StreamChunk) -> list[tuple[int, int]]:
         return [(p.start, p.end) for p in self.pieces_of(chunk)]
@@ -71,16 +73,19 @@ class MemoryManager:
     def process_chunk(self, chunk: StreamChunk, job_id: str | None = None,
                       on_progress: Callable[[], None] | None = None) -> list[SessionOutcome]:
         out = []
-        for p in self.pieces_of(chunk):
-            out.append(self.process_session(chunk, p.start, p.end, job_id, (p.face_steps, p.voice_steps)))
+        pieces = self.pieces_of(chunk)
+        for p, lines in zip(pieces, assign_lines([(p.start, p.end) for p in pieces], chunk.client_transcript)):
+            out.append(self.process_session(chunk, p.start, p.end, job_id, (p.face_steps, p.voice_steps), lines))
             if on_progress is not None:
                 on_progress()  # e.g. extend the job's lease
         return out
 
     def process_session(self, chunk: StreamChunk, start: int, end: int, job_id: str | None = None,
-                        evidence: tuple[list[int], list[int]] | None = None) -> SessionOutcome:
+                        evidence: tuple[list[int], list[int]] | None = None,
+                        user_lines: list[tuple[int, str]] | None = None) -> SessionOutcome:
         """One session; `evidence` = the (face, voice) poll steps that belong to it (from the identity
-        split; default: every poll in start..end). Ids derive from start/end only: re-runs agree."""
+        split; default: every poll in start..end); `user_lines` = the client transcript lines it owns
+        (`assign_lines`; default: those in start..end). Ids derive from start/end only: re-runs agree."""
         sid = derived_id("session", chunk.stream_id, chunk.chunk_index, start, end)
         done = self.store.get_session(sid)
         if done is not None:
@@ -97,14 +102,14 @@ class MemoryManager:
             audio = chunk.listen_audio[start * STEP_SAMPLES:(end + 1) * STEP_SAMPLES]  # [S] of this session
         transcript = self.transcriber.transcribe(
             audio, chunk.sample_rate,
-            [p for p in chunk.client_transcript if start <= p[0] <= end],
+            user_lines if user_lines is not None else [p for p in chunk.client_transcript if start <= p[0] <= end],
             [p for p in chunk.monologue if start <= p[0] <= end])
         ex, ex_info = self.extractor.extract(transcript.text, user.name if user else None, sid, job_id,
                                              user.user_id if user else None)
         base = dict(session_id=sid, stream_id=chunk.stream_id, chunk_index=chunk.chunk_index, start_step=start,
                     end_step=end, valid_from=chunk.start_time + start * STEP_S, transcript=transcript.text,
                     transcript_source=transcript.source, persona=list(ex.persona), summary=ex.summary or None,
-                    relations=list(ex.relations))
+                    relations=list(ex.relations), chunk_redactions=chunk.redactions)
         if user is None:
             keys = self._keys(faces, voices, have=set())
             plan = UpdatePlan([ItemDecision("add", "fact", t, k, None, None, "new user") for k, t in ex.facts]
@@ -136,8 +141,9 @@ class MemoryManager:
         keys = []
         for modality, obs in (("face", faces), ("voice", voices)):
             v = mean_direction(obs)
-            if v is not None and (modality, self.models[modality]) not in have:
-                keys.append(NewKey(modality, self.models[modality], v))  # type: ignore[arg-type]
+            model_id = self.identifier.face_model_id if modality == "face" else self.identifier.voice_model_id
+            if v is not None and (modality, model_id) not in have:
+                keys.append(NewKey(modality, model_id, v))  # type: ignore[arg-type]
         return keys
 
     @staticmethod
@@ -152,6 +158,39 @@ class MemoryManager:
             llm_model=",".join(sorted({i.model for i in infos})),
             prompt_hash=hashes or None,
         )
+
+
+def assign_lines(spans: list[tuple[int, int]], lines: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """Every client transcript line to exactly one session of its chunk: the one it falls in, else the
+    nearest (the earlier on a tie). A client sends a line when its own ASR or script has it, which is
+    often before the trigger's session starts (a `--say` line at step 0, a session from step 6):
+    dropping it would lose what the user said. With no spans, nothing is assigned."""
+    out: list[list[tuple[int, str]]] = [[] for _ in spans]
+    for step, text in lines:
+        if spans:
+            dist = [0 if a <= step <= b else (a - step if step < a else step - b) for a, b in spans]
+            out[dist.index(min(dist))].append((step, text))
+    return out
+
+
+def _within(track: list[tuple[int, np.ndarray]], a: int, b: int) -> list[int]:
+    return [t for t, _ in track if a <= t <= b]
+
+
+def _session_for_lines(chunk: StreamChunk) -> Piece:
+    """A session made for transcript lines the trigger found no session around: it spans the lines,
+    and its evidence is the polls inside it, else the poll of each modality nearest to it."""
+    from egomem.trigger.identity_split import Piece
+
+    a, b = min(t for t, _ in chunk.client_transcript), max(t for t, _ in chunk.client_transcript)
+
+    def evidence(track: list[tuple[int, np.ndarray]]) -> list[int]:
+        inside = _within(track, a, b)
+        if inside or not track:
+            return inside
+        return [min((t for t, _ in track), key=lambda t: a - t if t < a else t - b)]
+
+    return Piece(a, b, evidence(chunk.faces), evidence(chunk.voices))
 
 
 def _rows(track: list[tuple[int, np.ndarray]], steps: list[int]) -> np.ndarray:

@@ -3,7 +3,10 @@
 `forget_user` deletes the person's own rows; their *mentions* ("my colleague Bob Smith ...") sit in
 other users' transcripts, summaries, facts, persona evidence, op-log reasons and LLM payloads.
 Those cells get every occurrence of the name replaced by `MARKER`, so the memory stays readable
-("my colleague [forgotten person] ...") and nothing names the person any more.
+("my colleague [forgotten person] ...") and nothing names the person any more. The names are all
+the person ever had (the store's `name_history`: earlier names set by PATCH or learnt from a
+session, names of users merged into them), not only the current one. The same rule redacts the
+text of memory chunks still waiting for the worker (memory/chunk.py `redact_pieces`).
 
 What counts as an occurrence (`name_pattern`):
 - the full stored name, case-insensitive, whole words only ("Bob Smith" matches "bob smith's" but

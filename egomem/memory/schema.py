@@ -170,6 +170,12 @@ WHEN NOT EXISTS (SELECT 1 FROM forget_guard)
 BEGIN SELECT RAISE(ABORT, 'op_log is append-only; only forget(user) may redact reason/detail'); END;
 """
 
+# v3: forget rewrites the chunk files of jobs still to run (memory/chunk.py `redact_chunk`) and counts
+# it here; a session read from the chunk before that rewrite is refused at commit (`ChunkRedacted`).
+_V3 = """
+ALTER TABLE jobs ADD COLUMN redactions INTEGER NOT NULL DEFAULT 0;
+"""
+
 # version -> statements taking the database from version-1 to version.
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2}
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3}
 SCHEMA_VERSION = max(MIGRATIONS)

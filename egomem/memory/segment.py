@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 NONE, START, IN_SESSION, END = 0, 1, 2, 3
-STREAM_WIDTH = 17  # 1 text + 8 speak + 8 listen tokens per 80 ms step (DESIGN.md §3)
+STREAM_WIDTH = 17  # 1 text + 8 speak + 8 listen tokens per 80 ms step (docs/kv-cache.md#the-token-stream)
 
 
 class TriggerLabeler(Protocol):

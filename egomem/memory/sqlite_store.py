@@ -3,17 +3,32 @@
 Durability: `synchronous=FULL` by default, so a committed transaction survives a killed process
 and a power cut. Every write runs in `BEGIN IMMEDIATE` (one writer at a time across threads and
 processes; others wait up to `busy_timeout_s`), which also serialises writes for one user.
-`secure_delete` is on and `forget_user` truncates the WAL, so forgotten data is not left in free
-pages or old WAL frames of the database file. Mentions of the forgotten person's name in rows that
-stay (other users' transcripts, facts, summaries, op-log reasons, ...) are redacted in the same
-transaction (egomem/memory/redact.py).
+Files: the database and its -wal / -shm are 0600 (SQLite gives the WAL and shm the database
+file's mode, so the database is created 0600 before SQLite opens it; an older, wider file is
+narrowed), a folder it creates is 0700.
+
+Forget (`forget_user`), in one write transaction: delete the person's rows; redact every name they
+ever had (the current one, earlier names from PATCH / the op log's create_user and rename rows, and
+the names of users merged into them) wherever others' rows mention it (egomem/memory/redact.py);
+rewrite the chunk files of memory jobs not yet done so the person is not in them either
+(memory/chunk.py `redact_chunk`; the job's `redactions` counter goes up, and `commit_session`
+refuses, with `ChunkRedacted`, a session read from the chunk before that rewrite: the job retries
+on the redacted files, and the refused attempt is given back). Then VACUUM and a TRUNCATE
+checkpoint: `secure_delete` zeroes deleted cells, but a page rebalanced while the person's cells
+still existed keeps stale copies of them in its unallocated gap, and old WAL frames keep old pages;
+VACUUM rewrites every page from the live rows. `verify_forgotten` checks every cell and also the
+raw bytes of the database file and WAL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
+import logging
+import mmap
+import os
 import re
 import sqlite3
 import threading
@@ -24,9 +39,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from egomem.memory.redact import mentions, name_pattern, redact
+from egomem.memory.chunk import JOB_KIND, job_key, redact_chunk, redact_pieces
+from egomem.memory.redact import MARKER, mentions, name_pattern, redact
 from egomem.memory.schema import MIGRATIONS, SCHEMA_VERSION
-from egomem.memory.store import MANUAL, MemoryStore, StoreError, VersionConflict
+from egomem.memory.store import MANUAL, ChunkRedacted, MemoryStore, StoreError, VersionConflict
 from egomem.memory.types import (
     BiometricKey,
     DeadLetter,
@@ -59,6 +75,9 @@ _DL_COLS = ("dl_id, source, stage, job_id, session_id, user_id, payload, error, 
             "resolved_at, resolution")
 
 
+log = logging.getLogger(__name__)
+
+
 def derived_id(*parts: Any) -> str:
     """A deterministic id from its parts: a re-run of the same session writes the same ids."""
     return hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).hexdigest()[:32]
@@ -74,15 +93,20 @@ def _vec_bytes(v: np.ndarray) -> bytes:
 
 class SQLiteMemoryStore(MemoryStore):
     def __init__(self, path: str | Path, busy_timeout_s: float = 30.0, synchronous: str = "FULL",
-                 job_max_attempts: int = 5, clock: Callable[[], float] = time.time):
+                 job_max_attempts: int = 5, clock: Callable[[], float] = time.time,
+                 forget_face_distance: float = 0.30, forget_voice_distance: float = 0.35):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # 0700 when we make it
+        _private_files(self.path)
         self._busy_ms = int(busy_timeout_s * 1000)
         if synchronous not in ("FULL", "NORMAL"):
             raise StoreError(f"synchronous = {synchronous!r}; allowed: 'FULL', 'NORMAL'")
         self._sync = synchronous
         self._job_max_attempts = job_max_attempts
         self._clock = clock
+        # a queued chunk's face / voice poll within this cosine distance of a forgotten person's key
+        # (and nearer to it than to anyone else's) is theirs and removed (memory/chunk.py redact_chunk)
+        self._forget_distance = {"face": forget_face_distance, "voice": forget_voice_distance}
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._all_lock = threading.Lock()
@@ -261,13 +285,17 @@ class SQLiteMemoryStore(MemoryStore):
     def forget_user(self, user_id: str, prov: Provenance = MANUAL, reason: str = "") -> ForgetReceipt:
         forget_id = uuid.uuid4().hex
         with self._write() as c:
-            u = self._live_user(c, user_id)
-            vectors = [np.frombuffer(r[0], dtype="<f4") for r in
-                       c.execute("SELECT vector FROM biometric_keys WHERE user_id = ?", (user_id,))]
-            merged = c.execute("SELECT user_id, name FROM users WHERE merged_into = ?", (user_id,)).fetchall()
+            self._live_user(c, user_id)
+            merged = c.execute("SELECT user_id FROM users WHERE merged_into = ?", (user_id,)).fetchall()
             ids = [user_id] + [r[0] for r in merged]
-            names = [u.name] + [r[1] for r in merged]  # a tombstone may carry another name of the same person
+            names = self._name_history(c, ids)  # a tombstone / an earlier name is the same person too
             marks = ",".join("?" * len(ids))
+            keys = c.execute(f"SELECT modality, vector FROM biometric_keys WHERE user_id IN ({marks})", ids).fetchall()
+            vectors = [np.frombuffer(v, dtype="<f4") for _, v in keys]
+            others = c.execute(f"SELECT modality, vector FROM biometric_keys WHERE user_id NOT IN ({marks})",
+                               ids).fetchall()
+            pat = name_pattern(names)
+            chunks, unreadable = self._redact_chunks(c, pat, keys, others)
             sessions = [r[0] for r in c.execute(f"SELECT session_id FROM sessions WHERE user_id IN ({marks})", ids)]
             smarks = ",".join("?" * len(sessions))
             deleted: dict[str, int] = {}
@@ -299,22 +327,97 @@ class SQLiteMemoryStore(MemoryStore):
                     c.execute("DELETE FROM op_log WHERE user_id = ? OR related_user_id = ?", (n, n))
                     c.execute("DELETE FROM forget_guard")
                     delete("users", "user_id = ?", (n,))
-            pat = name_pattern(names)
             redacted = self._redact(c, pat) if pat is not None else {}
             self._bump_keys_generation(c)
             self._log(c, "forget", prov, None, None, "",  # the log keeps only that a forget happened
-                      detail={"forget_id": forget_id, "deleted": deleted, "redacted": redacted})
-        # Old versions of the deleted pages may still sit in the WAL: checkpoint it back into the
-        # database (where secure_delete zeroed them) and truncate the WAL file.
-        wal_clean = False
-        for _ in range(50):  # readers in other connections can hold old frames for a moment
-            busy, _log, _done = self._conn().execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-            if busy == 0:
-                wal_clean = True
-                break
-            time.sleep(0.1)
+                      detail={"forget_id": forget_id, "deleted": deleted, "redacted": redacted,
+                              "names": len(names), "chunks": chunks})
+        clean = self._scrub()
         leftovers = self.verify_forgotten(user_id, vectors, names)
-        return ForgetReceipt(forget_id, deleted, leftovers, wal_clean, redacted)
+        leftovers += [f"chunk {f} (unreadable, so not redacted; its job fails on it too)" for f in unreadable]
+        return ForgetReceipt(forget_id, deleted, leftovers, clean, redacted)
+
+    def _scrub(self) -> bool:
+        """VACUUM (every page rewritten from the live rows: no stale copy of a deleted cell survives in a
+        page's unallocated gap or on the freelist), then checkpoint the WAL back and truncate it.
+        False when a long reader kept old WAL frames alive (they go at the next checkpoint) or the
+        VACUUM could not get the database (the raw-byte scan then says what is left)."""
+        c = self._conn()
+        try:
+            c.execute("VACUUM")
+        except sqlite3.OperationalError as e:  # e.g. busy past busy_timeout: the forget itself is committed
+            log.error("forget: VACUUM failed (%s); deleted data may stay in free page space until the next one", e)
+            return False
+        for _ in range(50):  # readers in other connections can hold old frames for a moment
+            busy, _log, _done = c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            if busy == 0:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def _name_history(self, c: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
+        """Every name of these users: current ones, and each name their op-log rows recorded
+        (create_user, rename: PATCH and names learnt from sessions), oldest first."""
+        marks = ",".join("?" * len(ids))
+        names = [r[0] for r in c.execute(f"SELECT name FROM users WHERE user_id IN ({marks})", list(ids))]
+        for (detail,) in c.execute(f"SELECT detail FROM op_log WHERE user_id IN ({marks}) "
+                                   "AND op IN ('create_user', 'rename') ORDER BY op_id", list(ids)):
+            d = json.loads(detail or "{}")
+            names += [d[k] for k in ("name", "old", "new") if isinstance(d.get(k), str)]
+        out: list[str] = []
+        for n in names:
+            n = " ".join(n.split())
+            if n and n.lower() != UNKNOWN_USER and n not in out:
+                out.append(n)
+        return out
+
+    def name_history(self, user_id: str) -> list[str]:
+        with self._read() as c:
+            ids = [user_id] + [r[0] for r in c.execute("SELECT user_id FROM users WHERE merged_into = ?", (user_id,))]
+            return self._name_history(c, ids)
+
+    def _redact_chunks(self, c: sqlite3.Connection, pat: re.Pattern[str] | None, keys: Sequence[tuple[str, bytes]],
+                       others: Sequence[tuple[str, bytes]]) -> tuple[dict[str, int], list[str]]:
+        """Remove the person from the chunk files of every memory job not done yet (queued, leased,
+        dead and waiting for a requeue). The job is kept (others' words in the chunk are memory
+        too); its `redactions` goes up so a session read before this is refused at commit, and a
+        leased job gets one more attempt for that refusal. Returns (counts for the forget's log row,
+        folders that could not be read)."""
+        if pat is None and not keys:
+            return {}, []
+        by = lambda rows: {m: [np.frombuffer(v, dtype="<f4") for mm, v in rows if mm == m]  # noqa: E731
+                           for m in ("face", "voice")}
+        forgotten, known = by(keys), by(others)
+        total: dict[str, int] = {}
+        unreadable: list[str] = []
+        status_of = dict(c.execute("SELECT job_id, status FROM jobs WHERE kind = ?", (JOB_KIND,)).fetchall())
+        for job_id, folder in self._pending_chunks(c):
+            status = status_of[job_id]
+            try:
+                counts = redact_chunk(folder, pat, forgotten, known, self._forget_distance)
+            except Exception as e:  # noqa: BLE001 — unreadable: reported as a leftover; its own job fails on it too
+                log.error("forget: chunk %s of job %s could not be redacted: %s", folder, job_id, e)
+                unreadable.append(str(folder))
+                continue
+            if not counts:
+                continue
+            redactions = int(json.loads((folder / "meta.json").read_text()).get("redactions", 0))
+            c.execute("UPDATE jobs SET redactions = ?, max_attempts = max_attempts + ?, updated_at = ? "
+                      "WHERE job_id = ?", (redactions, 1 if status == "running" else 0, self._clock(), job_id))
+            total["chunks"] = total.get("chunks", 0) + 1
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + v
+        return total, unreadable
+
+    def _pending_chunks(self, c: sqlite3.Connection) -> list[tuple[str, Path]]:
+        """(job id, chunk folder) of every memory job not done yet whose folder is there."""
+        out = []
+        for job_id, payload in c.execute("SELECT job_id, payload FROM jobs WHERE kind = ? AND status != 'done' "
+                                         "AND payload IS NOT NULL", (JOB_KIND,)).fetchall():
+            folder = Path(str((json.loads(payload) or {}).get("chunk_dir", "")))
+            if (folder / "meta.json").is_file():
+                out.append((job_id, folder))
+        return out
 
     @staticmethod
     def _text_columns(c: sqlite3.Connection) -> Iterator[tuple[str, str]]:
@@ -357,7 +460,10 @@ class SQLiteMemoryStore(MemoryStore):
     def verify_forgotten(self, user_id: str, vectors: Sequence[np.ndarray] = (),
                          name: str | Sequence[str] | None = None) -> list[str]:
         """Id and vector bytes: searched in every cell of every table. Name(s): every text cell
-        except `users.name` (other users' own names), matched as redaction matches them."""
+        except `users.name` (other users' own names), matched as redaction matches them. Then the
+        raw bytes of the database file and its WAL (free space, stale page areas, old frames):
+        '<file> (<what>, N)' for the id, a vector, or more occurrences of a name than the live
+        `users.name` cells and the schema account for."""
         c = self._conn()
         needles: list[tuple[str, bytes]] = [("id", user_id.encode())]
         needles += [(f"vector{i}", np.asarray(v, dtype="<f4").tobytes()) for i, v in enumerate(vectors)]
@@ -370,7 +476,8 @@ class SQLiteMemoryStore(MemoryStore):
                                   (needle,)).fetchone()[0]
                     if n:
                         hits.append(f"{t}.{col} ({what}, {n} rows)")
-        pat = name_pattern([name] if isinstance(name, str) else name or [])
+        names = [name] if isinstance(name, str) else list(name or [])
+        pat = name_pattern(names)
         if pat is not None:
             c.create_function("egomem_mentions", 1, lambda v: mentions(v, pat), deterministic=True)
             for t in tables:
@@ -381,6 +488,51 @@ class SQLiteMemoryStore(MemoryStore):
                                   ).fetchone()[0]
                     if n:
                         hits.append(f"{t}.{col} (name, {n} rows)")
+        return hits + self._raw_hits(c, needles, names) + self._chunk_hits(c, pat)
+
+    def _chunk_hits(self, c: sqlite3.Connection, pat: re.Pattern[str] | None) -> list[str]:
+        """Text of the chunks still waiting for the worker that names the person (as `redact_chunk` matches)."""
+        if pat is None:
+            return []
+        hits = []
+        for job_id, folder in self._pending_chunks(c):
+            try:
+                meta = json.loads((folder / "meta.json").read_text())
+            except (OSError, ValueError) as e:
+                hits.append(f"chunk {folder} of job {job_id} (unreadable: {e})")
+                continue
+            n = sum(redact_pieces([(int(t), str(x)) for t, x in meta.get(k, [])], pat)[1]
+                    for k in ("client_transcript", "monologue"))
+            if n:
+                hits.append(f"chunk {folder} of job {job_id} (name, {n} matches)")
+        return hits
+
+    def _raw_hits(self, c: sqlite3.Connection, needles: Sequence[tuple[str, bytes]], names: Sequence[str]) -> list[str]:
+        """The verification's byte scan of the files themselves (see `verify_forgotten`)."""
+        pat = _raw_name_pattern(names)
+        legit = 0
+        if pat is not None:  # another user of the same name, or a word of the schema, is not a leftover
+            for (text,) in c.execute("SELECT name FROM users UNION ALL SELECT sql FROM sqlite_master "
+                                     "WHERE sql IS NOT NULL UNION ALL SELECT name FROM sqlite_master"):
+                legit += len(pat.findall(str(text).encode()))
+        hits = []
+        for f in (self.path, Path(f"{self.path}-wal")):
+            try:
+                fh = open(f, "rb")
+            except FileNotFoundError:
+                continue
+            with fh:
+                if os.fstat(fh.fileno()).st_size == 0:
+                    continue
+                with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as raw:  # no copy of a large file
+                    for what, needle in needles:
+                        n = len(re.findall(re.escape(needle), raw))
+                        if n:
+                            hits.append(f"{f.name} ({what}, {n} byte matches)")
+                    if pat is not None:
+                        n = len(pat.findall(raw))
+                        if n > legit:
+                            hits.append(f"{f.name} (name, {n - legit} unexplained matches)")
         return hits
 
     # ------------------------------------------------------------------ biometric keys
@@ -630,10 +782,29 @@ class SQLiteMemoryStore(MemoryStore):
         return [SessionRecord(*r) for r in rows]
 
     def commit_session(self, m: SessionCommit) -> bool:
+        try:
+            return self._commit_session(m)
+        except ChunkRedacted:  # LLM answers / dead letters made from the unredacted text: never replayed or kept
+            with self._write() as c:
+                c.execute("DELETE FROM llm_calls WHERE session_id = ?", (m.session_id,))
+                c.execute("DELETE FROM dead_letters WHERE session_id = ? AND source = 'llm' AND resolved_at IS NULL",
+                          (m.session_id,))
+            self._scrub()  # rare (a forget raced a running job): no stale page copy or WAL frame keeps them
+            raise
+
+    def _commit_session(self, m: SessionCommit) -> bool:
         prov = m.provenance
         with self._write() as c:
             if c.execute("SELECT 1 FROM sessions WHERE session_id = ?", (m.session_id,)).fetchone():
                 return False  # already committed: processing a session twice changes nothing
+            if m.chunk_redactions is not None:
+                row = c.execute("SELECT redactions FROM jobs WHERE job_key = ?",
+                                (job_key(m.stream_id, m.chunk_index),)).fetchone()
+                if row is not None and row[0] > m.chunk_redactions:  # read before a forget rewrote it
+                    raise ChunkRedacted(f"session {m.session_id}: a forget redacted chunk {m.stream_id}/"
+                                        f"{m.chunk_index} after it was read; the job re-runs on the redacted files")
+            if m.name and MARKER in m.name:  # "my name is [forgotten person]": not a name to learn
+                m = dataclasses.replace(m, name=None, name_reason="")
             if m.user_id is None and not m.new_user_id:  # nobody to attribute it to, and nothing said
                 c.execute(f"INSERT INTO sessions ({_SESSION_COLS}) VALUES (?,?,?,?,?,NULL,?,?,'done',?)",
                           (m.session_id, m.stream_id, m.chunk_index, m.start_step, m.end_step, m.transcript,
@@ -698,7 +869,7 @@ class SQLiteMemoryStore(MemoryStore):
     def _person(self, c: sqlite3.Connection, user_id: str, person: str, new_id: str, prov: Provenance) -> str | None:
         """The user a mentioned person is: a unique live user of that name, else a new user (no keys yet)."""
         person = " ".join(person.split())
-        if not person or person.lower() == UNKNOWN_USER:
+        if not person or person.lower() == UNKNOWN_USER or MARKER in person:  # a forgotten person stays gone
             return None
         rows = c.execute("SELECT user_id FROM users WHERE lower(name) = lower(?) AND merged_into IS NULL "
                          "AND user_id != ?", (person, user_id)).fetchall()
@@ -805,6 +976,13 @@ class SQLiteMemoryStore(MemoryStore):
             params.append(status)
         return [self._job(r) for r in self._conn().execute(q + " ORDER BY created_at, job_id", params)]
 
+    def job_counts(self) -> dict[str, int]:
+        return dict(self._conn().execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall())
+
+    def dead_letter_count(self, unresolved_only: bool = True) -> int:
+        q = "SELECT COUNT(*) FROM dead_letters" + (" WHERE resolved_at IS NULL" if unresolved_only else "")
+        return int(self._conn().execute(q).fetchone()[0])
+
     # ------------------------------------------------------------------ dead letters
 
     def add_dead_letter(self, source: str, stage: str, payload: dict[str, Any], error: str, attempts: int,
@@ -856,6 +1034,34 @@ class SQLiteMemoryStore(MemoryStore):
             c.execute("INSERT INTO llm_calls (prompt_hash, session_id, model, stage, response, created_at) "
                       "VALUES (?,?,?,?,?,?) ON CONFLICT (prompt_hash) DO NOTHING",
                       (prompt_hash, session_id, model, stage, json.dumps(response, sort_keys=True), self._clock()))
+
+
+def _private_files(db: Path) -> None:
+    """Create the database file 0600 before SQLite does (its -wal / -shm copy the database's mode);
+    narrow an existing database (and -wal / -shm) that others could read."""
+    if not db.exists():
+        os.close(os.open(db, os.O_RDWR | os.O_CREAT, 0o600))
+    for f in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            if f.stat().st_mode & 0o077:
+                os.chmod(f, 0o600)
+
+
+def _raw_name_pattern(names: Sequence[str]) -> re.Pattern[bytes] | None:
+    """A bytes pattern for the names as they may sit in the file: UTF-8 in any ASCII case, lower /
+    upper / title case for the rest, whitespace runs between words, and JSON's \\uXXXX escapes."""
+    alts: set[bytes] = set()
+    for name in names:
+        name = " ".join(name.split())
+        if not name or name.lower() == UNKNOWN_USER:
+            continue
+        for form in {name, name.lower(), name.upper(), name.title()}:
+            for text in {form, json.dumps(form)[1:-1]}:
+                alts.add(rb"\s+".join(re.escape(w.encode()) for w in text.split()))
+    if not alts:
+        return None
+    return re.compile(rb"(?<![A-Za-z0-9_])(?:" + b"|".join(sorted(alts, key=len, reverse=True)) + rb")(?![A-Za-z0-9_])",
+                      re.IGNORECASE)
 
 
 def _split_sql(script: str) -> list[str]:

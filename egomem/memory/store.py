@@ -1,6 +1,6 @@
 """The memory store interface (`MemoryStore`) and `open_store(cfg)`.
 
-The store is the source of truth for everything remembered about people (DESIGN.md §7): users,
+The store is the source of truth for everything remembered about people (docs/architecture.md#memory-store): users,
 biometric keys, facts and preferences (superseded, never overwritten), summaries, the 90-dimension
 persona, relations, sessions, the durable job queue, dead letters and the append-only operation
 log. Every index (faiss vectors, BM25) is rebuilt from it: `list_keys()` + `keys_generation()` for
@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from egomem.memory import persona as persona_dims
+from egomem.relations import inverse_relation
 from egomem.memory.types import (
     BiometricKey,
     DeadLetter,
@@ -52,6 +53,10 @@ class VersionConflict(StoreError):
     """The user changed after the profile was read; re-read the profile and decide again."""
 
 
+class ChunkRedacted(StoreError):
+    """A forget rewrote the session's chunk after it was read: retry the job (it re-reads the redacted chunk)."""
+
+
 class MemoryStore(abc.ABC):
     """What the memory manager, the worker and the orchestrator call. See the module docstring."""
 
@@ -74,12 +79,20 @@ class MemoryStore(abc.ABC):
     @abc.abstractmethod
     def forget_user(self, user_id: str, prov: Provenance = MANUAL, reason: str = "") -> ForgetReceipt:
         """Remove the user's keys, memories, relations, sessions, transcripts, LLM answers, dead
-        letters and log rows; redact their name where other users' rows mention it (memory/redact.py);
-        append one 'forget' row that names no one; prove it by a scan."""
+        letters and log rows; redact every name they had where other users' rows mention it
+        (memory/redact.py); remove them from the chunks of memory jobs not done yet (memory/chunk.py);
+        append one 'forget' row that names no one; prove it by a scan (cells, raw file bytes, chunks)."""
+
+    def name_history(self, user_id: str) -> list[str]:
+        """Every name the user (and the users merged into them) has had: forget redacts them all."""
+        u = self.get_user(user_id)
+        return [u.name] if u else []
+
     @abc.abstractmethod
     def verify_forgotten(self, user_id: str, vectors: Sequence[np.ndarray] = (),
                          name: str | Sequence[str] | None = None) -> list[str]:
-        """'<table>.<column>' cells that still hold the id, a vector's bytes, or a mention of the name(s)."""
+        """'<table>.<column>' cells that still hold the id, a vector's bytes, or a mention of the name(s);
+        then the same in the database files' raw bytes and in the text of chunks still to be processed."""
 
     # ---- biometric keys (vector index source) ----
     @abc.abstractmethod
@@ -175,6 +188,11 @@ class MemoryStore(abc.ABC):
     def get_job(self, job_id: str) -> Job | None: ...
     @abc.abstractmethod
     def list_jobs(self, status: str | None = None) -> list[Job]: ...
+    @abc.abstractmethod
+    def job_counts(self) -> dict[str, int]:
+        """{status: number of jobs}, counted by the database (for /metrics: no rows are loaded)."""
+    @abc.abstractmethod
+    def dead_letter_count(self, unresolved_only: bool = True) -> int: ...
 
     # ---- dead letters ----
     @abc.abstractmethod
@@ -206,9 +224,10 @@ class MemoryStore(abc.ABC):
         cut at a line boundary to `max_chars` (the MemChunk holds 512 text steps)."""
         p = self.profile(user_id)
         lines = [f"name: {p.user.name}"]
-        outgoing = [f"{name} ({r.relation})" for r, name in p.relations if r.user_id == p.user.user_id]
-        if outgoing:
-            lines.append("people: " + "; ".join(outgoing))
+        people = [f"{name} ({r.relation if r.user_id == p.user.user_id else inverse_relation(r.relation)})"
+                  for r, name in p.relations]  # an edge stored from the other side reads inverted
+        if people:
+            lines.append("people: " + "; ".join(people))
         lines += [f"fact: {f.text}" for f in p.facts]
         lines += [f"{pr.polarity or 'likes'}s: {pr.text}" for pr in p.preferences]
         leaning = [
@@ -231,14 +250,17 @@ class MemoryStore(abc.ABC):
 
     def neighbour_memories(self, user_id: str, per_neighbour: int = 20) -> list[NeighbourMemory]:
         """Related users and their memory items: the documents of Level-2 retrieval
-        ((neighbour name, relation words, one memory item) each)."""
+        ((neighbour name, relation words, one memory item) each). The relation reads from `user_id`'s
+        side: an edge the neighbour stored ("Bob is Ada's mother", read by Bob) comes out inverted
+        ("child"), never as the neighbour's own word."""
         out = []
         for rel, name in self.relations(user_id):
             inverse = rel.user_id != user_id
             other = rel.user_id if inverse else rel.other_user_id
             items = [i.text if i.kind == "fact" else f"{i.polarity}s {i.text}" for i in self.items(other)]
             items += [s.text for s in self.summaries(other, limit=3)]
-            out.append(NeighbourMemory(other, name, rel.relation, inverse, items[:per_neighbour]))
+            word = inverse_relation(rel.relation) if inverse else rel.relation
+            out.append(NeighbourMemory(other, name, word, inverse, items[:per_neighbour]))
         return out
 
 
@@ -253,5 +275,7 @@ def open_store(cfg: Any) -> MemoryStore:
             busy_timeout_s=getattr(cfg, "busy_timeout_s", 30.0),
             synchronous=getattr(cfg, "synchronous", "FULL"),
             job_max_attempts=getattr(cfg, "job_max_attempts", 5),
+            forget_face_distance=getattr(cfg, "forget_face_distance", 0.30),
+            forget_voice_distance=getattr(cfg, "forget_voice_distance", 0.35),
         )
     raise StoreError(f"memory.backend = {backend!r} is not implemented; use 'sqlite'")

@@ -150,8 +150,8 @@ class NeighbourMemory:
 
     user_id: str
     name: str
-    relation: str  # relation words as the asking user would say them ("sister")
-    inverse: bool  # True: the *neighbour* called the user their <relation>
+    relation: str  # relation words as the asking user would say them ("sister"; an inverted edge: "child")
+    inverse: bool  # True: the edge was stored from the neighbour's side and `relation` is its inverse
     items: list[str]
 
 
@@ -237,6 +237,7 @@ class SessionCommit:
     relations: list[tuple[str, str]] = field(default_factory=list)  # (person name, relation words)
     transcript: str | None = None
     transcript_source: str | None = None
+    chunk_redactions: int | None = None  # StreamChunk.redactions as read; a forget's rewrite since refuses the commit
 
 
 @dataclass(frozen=True)

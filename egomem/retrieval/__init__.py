@@ -1,4 +1,4 @@
-"""Level-2 text retrieval (DESIGN.md §7): parse the model's `<retr>` query, build neighbour documents,
+"""Level-2 text retrieval (docs/architecture.md#level-2-retrieval-query): parse the model's `<retr>` query, build neighbour documents,
 BM25 on relation words, re-rank by sentence-embedding similarity, fit the 256-step MemChunk."""
 
 from egomem.retrieval.documents import Document, Neighbour, build_documents, render

@@ -1,6 +1,6 @@
 """Parse the dialog model's memory query from its text channel.
 
-The model writes `<retr>:\\n<relation words>\\n<keywords><answer>` (DESIGN.md §1): two lines of
+The model writes `<retr>:\\n<relation words>\\n<keywords><answer>` (docs/architecture.md#level-2-retrieval-query): two lines of
 comma-separated groups, the first naming relations ("sister, coworker"), the second keywords
 ("tennis, birthday"); either may be empty. The text channel is a noisy token stream, so the parser
 never raises: a partial query (no `<answer>` yet), an empty one or garbage gives `None`.

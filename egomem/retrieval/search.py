@@ -1,9 +1,10 @@
 """Level-2 text retrieval: BM25 on relation words, re-rank by embedding similarity, fit the MemChunk.
 
-DESIGN.md §7. For a query (relation group R, keyword group K) over the documents of the current
+docs/architecture.md#level-2-retrieval-query. For a query (relation group R, keyword group K) over the documents of the current
 user's neighbours:
-  1. R given: BM25 (bm25s) over each document's relation + name words; the top `bm25_candidates`
-     with a positive score go on. No document matches R (a synonym, say "mom" for "mother"): all
+  1. R given: BM25 (bm25s) over each document's relation words (with the words users say for it,
+     `egomem.relations.also_called`: "mom" finds "mother") + name words; the top `bm25_candidates`
+     with a positive score go on. No document matches R (a word the table does not know): all
      documents go on and R joins K in the re-rank text. R empty: all documents go on.
   2. K given (or R unmatched): re-rank the candidates by cosine similarity between the embedded
      joined keywords and each embedded document; BM25 breaks ties. K empty: BM25 order.
@@ -22,6 +23,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from egomem.config import RetrievalConfig
+from egomem.relations import also_called
 from egomem.retrieval.documents import Document, Neighbour, build_documents, render
 from egomem.retrieval.encoder import TextEncoder
 from egomem.retrieval.query import RetrievalQuery, parse_query
@@ -82,7 +84,7 @@ class Level2Retriever:
         cand = np.arange(len(docs))
         rerank_words = list(query.keywords)
         if query.relations:
-            bm25 = self._bm25([f"{d.relation} {d.name}" for d in docs], tokenize(" ".join(query.relations)))
+            bm25 = self._bm25([f"{also_called(d.relation)} {d.name}" for d in docs], tokenize(" ".join(query.relations)))
             matched = np.flatnonzero(bm25 > 0)
             if matched.size:
                 cand = matched[np.argsort(-bm25[matched], kind="stable")][: self.bm25_candidates]

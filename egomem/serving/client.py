@@ -12,7 +12,7 @@ from typing import Mapping
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
-from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferRequestedOutput, KeepAliveOptions
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 
@@ -24,17 +24,40 @@ class TritonRequestError(ValueError):
     """The server refused this one request (bad shape, dtype, unknown stream...)."""
 
 
+# gRPC waits up to 120 s between reconnect attempts to a server that went away, so a Triton restarted
+# by `egomem serve` (same ports, ~30 s) would stay unreachable for minutes; cap the wait at 2 s.
+RECONNECT_BACKOFF_MS = 2000
+
+
+def channel_args() -> list[tuple[str, int]]:
+    """tritonclient's own channel options (message size, keepalive) plus a short reconnect backoff."""
+    ka = KeepAliveOptions()
+    return [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.keepalive_time_ms", ka.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", ka.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", ka.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", ka.http2_max_pings_without_data),
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.min_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS)]
+
+
 _UNAVAILABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED",
                 "failed to connect", "Socket closed", "is not ready", "unknown model")
 
 
 class AsyncTritonClient:
-    """One gRPC channel to tritonserver, safe to share between many asyncio tasks."""
+    """One gRPC channel to tritonserver, safe to share between many asyncio tasks.
+
+    The channel reconnects by itself when the server comes back (a restart on the same address):
+    calls fail with TritonUnavailable meanwhile, and work again within RECONNECT_BACKOFF_MS of it.
+    Readiness is asked of the server each time (`is_ready`), never cached."""
 
     def __init__(self, url: str, timeout_s: float = 10.0):
         self.url = url
         self.timeout_s = timeout_s
-        self._client = grpcaio.InferenceServerClient(url)
+        self._client = grpcaio.InferenceServerClient(url, channel_args=channel_args())
 
     async def close(self) -> None:
         await self._client.close()

@@ -1,17 +1,22 @@
 """Start, watch and stop a real `tritonserver` on the project's model repository.
 
-On CPU machines the binary is the one inside the `nvidia-pytriton` wheel (DESIGN.md §5): its
+On CPU machines the binary is the one inside the `nvidia-pytriton` wheel (docs/protocol.md#running-tritonserver-from-the-wheel): its
 bundled libraries must be on LD_LIBRARY_PATH, the Python backend lives in a folder we assemble
 from the wheel (backend library + utils + the stub built for this Python), and the virtualenv
 must be active in the server's environment so the stub can import numpy, torch and `egomem`.
 
 The server runs in its own process group; `stop()` (also called on Ctrl-C, at interpreter exit
 and by test fixtures) sends SIGTERM to the group, waits, then SIGKILLs, so no stub is orphaned.
+Started from the main thread it also gets SIGTERM when its parent dies, even by SIGKILL (Linux
+PR_SET_PDEATHSIG), so a killed `egomem serve` leaves no server behind; `restart()` brings a dead
+server back on the same ports with the same models. Its log and run folder are owner-only (0600 /
+0700): logs can hold stream ids and request details.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib.util
 import logging
 import os
@@ -22,11 +27,13 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from egomem.config import Config, to_toml
 
@@ -78,6 +85,84 @@ def cuda_available() -> bool:
         return False
 
 
+# -- child processes: owner-only files, die with the parent --------------------------------------
+PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
+except (OSError, AttributeError):  # not Linux: no parent-death signal (the pid file still finds strays)
+    _prctl = None
+
+
+def private_dir(path: Path) -> Path:
+    """mkdir -p `path` and make it owner-only (0700): run folders hold logs, tokens and recordings."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def open_private_log(path: Path):
+    """`path` opened for appending (unbuffered), created or narrowed to owner-only 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # an older log may have been created 0644
+    return os.fdopen(fd, "ab", buffering=0)
+
+
+def child_preexec(deathsig: int | None = signal.SIGTERM) -> Callable[[], None] | None:
+    """preexec_fn for a service process: umask 077 (its files are owner-only too) and, when called
+    from the main thread on Linux, `deathsig` once this process dies, however it dies. (The kernel
+    sends it when the *thread* that forked the child ends, so children of other threads get none;
+    the caller's pid file covers them.)"""
+    parent = os.getpid()
+    use_deathsig = (deathsig is not None and _prctl is not None
+                    and threading.current_thread() is threading.main_thread())
+
+    def setup() -> None:
+        os.umask(0o077)
+        if use_deathsig:
+            _prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before prctl: act as if the signal came
+                os.kill(os.getpid(), int(deathsig))
+
+    return setup
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot; tells a pid from its reuse), None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def port_owner(port: int) -> str | None:
+    """'pid N (name)' of the process listening on TCP `port`, from /proc (Linux); None if unknown."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    name = (proc / "comm").read_text().strip()
+                    return f"pid {proc.name} ({name})"
+        except OSError:
+            continue
+    return "a process of another user"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -121,7 +206,7 @@ class TritonServer:
     # -- preparation ----------------------------------------------------------------------------
     def _prepare(self, inst: TritonInstall) -> tuple[list[str], dict[str, str]]:
         """Assemble backend folder, rendered repository, resolved config; return argv and env."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)
         backends = self.run_dir / "backends" / "python"
         backends.mkdir(parents=True, exist_ok=True)
         for src in (inst.python_backend / "libtriton_python.so",
@@ -132,7 +217,7 @@ class TritonServer:
             dst.symlink_to(src)
         repo = self._render_repository()
         config_path = self.run_dir / "egomem.resolved.toml"
-        config_path.write_text(to_toml(self.cfg))
+        write_private(config_path, to_toml(self.cfg))
 
         argv = [
             str(inst.binary),
@@ -196,18 +281,29 @@ class TritonServer:
         return dst
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, timeout_s: float | None = None) -> "TritonServer":
+    def start(self, timeout_s: float | None = None, port_wait_s: float = 0.0) -> "TritonServer":
+        """Start the server and wait until it and its models are ready. `port_wait_s`: how long a
+        busy port may take to be freed (a restart after a crash: the old stubs are still exiting)."""
         if self.proc is not None:
             raise LaunchError("this TritonServer is already started")
         inst = find_triton(self.cfg.server.tritonserver_binary)
+        deadline = time.monotonic() + port_wait_s
         for port in (self.cfg.server.http_port, self.cfg.server.grpc_port, self.cfg.server.metrics_port):
-            _require_free_port(self.cfg.server.host, port)
+            while True:
+                try:
+                    _require_free_port(self.cfg.server.host, port)
+                    break
+                except LaunchError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.25)
         argv, env = self._prepare(inst)
-        logf = open(self.log_path, "ab", buffering=0)
+        logf = open_private_log(self.log_path)
         log.info("starting tritonserver (%s, %s instances), log: %s", inst.binary.name,
                  "GPU" if self.device == "cuda" else "CPU", self.log_path)
         self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=child_preexec(signal.SIGTERM))
         logf.close()
         atexit.register(self.stop)
         try:
@@ -269,6 +365,12 @@ class TritonServer:
         if name not in self.models:
             self.models.append(name)
 
+    def restart(self, timeout_s: float | None = None) -> "TritonServer":
+        """Stop what is left of the server (its stubs too) and start it again on the same ports with
+        the same models (those loaded later included)."""
+        self.stop()
+        return self.start(timeout_s, port_wait_s=30.0)
+
     def stop(self) -> None:
         """SIGTERM the server's process group, wait, then SIGKILL. Safe to call twice."""
         proc, self.proc = self.proc, None
@@ -286,6 +388,9 @@ class TritonServer:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        deadline = time.monotonic() + 10
+        while group_alive(proc.pid) and time.monotonic() < deadline:  # SIGKILLed stubs: gone in a moment
+            time.sleep(0.05)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -308,13 +413,33 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+def group_alive(pgid: int) -> bool:
+    """True while any process of process group `pgid` exists (zombies count until reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, owner-only (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def _require_free_port(host: str, port: int) -> None:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT from a restarted server is fine
         try:
             s.bind((host, port))
         except OSError:
+            owner = port_owner(port)
             raise LaunchError(
-                f"port {host}:{port} is in use (another tritonserver?). Stop it, or set "
-                f"server.http_port / grpc_port / metrics_port to free ports."
+                f"port {host}:{port} is in use{f' by {owner}' if owner else ''} (another tritonserver or "
+                f"egomem serve?). Stop it, or set server.http_port / grpc_port / metrics_port to free ports."
             ) from None
