@@ -33,9 +33,16 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from egomem.config import load_config
-from egomem.memory.asr import (ASR_RATE, AsrError, PocketSphinxRecogniser, make_recogniser, resample, to_int16,
-                               word_errors)
+from egomem.config import load_config, with_overrides
+from egomem.memory.asr import (
+    ASR_RATE,
+    AsrError,
+    PocketSphinxRecogniser,
+    make_recogniser,
+    resample,
+    to_int16,
+    word_errors,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -128,14 +135,12 @@ def main() -> None:
         if given is None:
             b[name] = {"ran": False, "reason": reason}
             continue
-        cfg.asr.backend = name
-        if name == "whisper":
-            cfg.asr.whisper_path = given
-        else:
-            cfg.asr.base_url, cfg.asr.model = given, args.openai_model
+        asr = {"backend": name, "whisper_path": given} if name == "whisper" else \
+            {"backend": name, "base_url": given, "model": args.openai_model}
         try:
             t0 = time.perf_counter()
-            rec = make_recogniser(cfg.asr, cfg.llm)
+            run_cfg = with_overrides(cfg, {"asr": asr}, source=f"bench_asr {name}")
+            rec = make_recogniser(run_cfg.asr, run_cfg.llm)
             b[name] = dict(run(name, rec, data, args.rate), load_s=round(time.perf_counter() - t0, 2), model=rec.name,
                            source=str(given))
         except AsrError as e:

@@ -1,6 +1,11 @@
 """Identity benchmark: face/speaker verification, closed-set speaker identification, identify latency.
 
-    .venv/bin/python bench/bench_identity.py --data ../shared/data [--sizes 1000 100000 1000000]
+    .venv/bin/python bench/bench_identity.py [--data DIR] [--sizes 1000 100000 1000000]
+
+--data: by default the small set inside the repository (tests/data/identity: 6 faces with their
+pairs.csv, 7 LibriSpeech test-other utterances, no cohort audio), enough to run every step; the
+figures in docs/ come from a full folder laid out as faces/ (*.jpg + pairs.csv) and speech/test-other/,
+speech/cohort/ (*.flac), e.g. `--data ../shared/data`.
 
 - Face: verification on faces/pairs.csv: EER and accuracy at the configured threshold (cosine distance).
 - Voice: EER over all utterance pairs of speech/test-other (raw cosine and AS-normed); closed-set
@@ -31,6 +36,20 @@ from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
 from egomem.identity.voice import build_speaker_encoder
 
 RESULTS = Path(__file__).parent / "results"
+DEFAULT_DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "identity"
+
+
+def _faces_dir(data: Path) -> Path:
+    """faces/ of a full data folder, else the folder itself (the repository's small flat set)."""
+    return data / "faces" if (data / "faces").is_dir() else data
+
+
+def _speech_files(data: Path, split: str) -> list[Path]:
+    """speech/<split>/ of a full data folder; the flat set has test utterances only (no cohort audio)."""
+    if (data / "speech").is_dir():
+        folder = data / "speech" / split
+        return sorted(folder.rglob("*.flac") if split == "test-other" else folder.glob("*.flac"))
+    return sorted(data.glob("*.flac")) if split == "test-other" else []
 
 
 def eer(same: np.ndarray, diff: np.ndarray, higher_is_same: bool = True) -> tuple[float, float]:
@@ -53,13 +72,13 @@ def face_bench(data: Path, cfg: IdentityConfig) -> dict:
     enc = build_face_encoder(cfg)
     emb: dict[str, np.ndarray] = {}
     t0 = time.perf_counter()
-    for img in sorted((data / "faces").glob("*.jpg")):
+    for img in sorted(_faces_dir(data).glob("*.jpg")):
         res = enc.encode(np.asarray(Image.open(img).convert("RGB")))
         if len(res):
             emb[img.name] = res.embeddings[res.speaker]
     per_image = (time.perf_counter() - t0) / max(len(emb), 1)
     same, diff = [], []
-    with open(data / "faces" / "pairs.csv") as f:
+    with open(_faces_dir(data) / "pairs.csv") as f:
         for row in csv.DictReader(f):
             if row["file_x"] in emb and row["file_y"] in emb:
                 d = 1.0 - float(emb[row["file_x"]] @ emb[row["file_y"]])
@@ -76,6 +95,8 @@ def voice_embed(files: list[Path], enc) -> tuple[np.ndarray, list[str]]:
     import soundfile as sf
 
     vecs, names = [], []
+    if not files:
+        return np.zeros((0, 0), np.float32), names  # no distractors
     for f in files:
         pcm, sr = sf.read(f, dtype="float32")
         r = enc.encode(pcm, sr)
@@ -88,9 +109,9 @@ def voice_embed(files: list[Path], enc) -> tuple[np.ndarray, list[str]]:
 def voice_bench(data: Path, cfg: IdentityConfig) -> dict:
     enc = build_speaker_encoder(cfg)
     t0 = time.perf_counter()
-    test, spk = voice_embed(sorted((data / "speech" / "test-other").rglob("*.flac")), enc)
+    test, spk = voice_embed(_speech_files(data, "test-other"), enc)
     per_utt = (time.perf_counter() - t0) / len(spk)
-    cohort_vecs, cohort_spk = voice_embed(sorted((data / "speech" / "cohort").glob("*.flac")), enc)
+    cohort_vecs, cohort_spk = voice_embed(_speech_files(data, "cohort"), enc)
     sn = AdaptiveSNorm.from_file(cfg.cohort_file or default_cohort_file(enc.model_id), cfg.cohort_top_k, cfg.cohort_size)
     labels = np.array(spk)
     iu = np.triu_indices(len(spk), 1)
@@ -195,7 +216,8 @@ def plot(res: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=Path("../shared/data"), help="folder with faces/ and speech/")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                    help="folder with faces/ and speech/ (default: the repository's small set, tests/data/identity)")
     ap.add_argument("--sizes", type=int, nargs="*", default=[1000, 100_000, 1_000_000])
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--skip", nargs="*", default=[], choices=["face", "voice", "latency"])

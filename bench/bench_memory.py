@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from egomem.memory.sqlite_store import SQLiteMemoryStore
+from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.memory.types import PersonaUpdate
 
 RESULTS = Path(__file__).parent / "results"

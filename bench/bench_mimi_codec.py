@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from egomem.codec.mimi import FRAME_SAMPLES, MimiStreamPool, build_mimi
-from egomem.config import load_config
+from egomem.config import load_config, with_overrides
 from egomem.serving.client import AsyncTritonClient
 from egomem.serving.launcher import TritonServer, free_port
 
@@ -81,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "mimi_codec.json")
     args = ap.parse_args(argv)
 
-    cfg = load_config(args.config)
-    cfg.server.http_port, cfg.server.grpc_port, cfg.server.metrics_port = free_port(), free_port(), free_port()
-    cfg.server.run_dir = Path(tempfile.mkdtemp(prefix="egomem-bench-"))
-    cfg.mimi.max_streams = max(args.streams)
+    cfg = with_overrides(load_config(args.config), {
+        "server": {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port(),
+                   "run_dir": Path(tempfile.mkdtemp(prefix="egomem-bench-"))},
+        "mimi": {"max_streams": max(args.streams)},
+        "orchestrator": {"max_streams": min(max(args.streams), load_config(args.config).orchestrator.max_streams)}},
+        source="bench_mimi_codec")
     rows = []
     with TritonServer(cfg, models=["mimi_codec"]) as server:
         for n in args.streams:

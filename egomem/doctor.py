@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Literal
+from typing import Literal
 
 from egomem.config import Config
 
@@ -164,7 +165,7 @@ def check_identity(cfg: Config) -> Iterable[Finding]:
     db = Path(cfg.memory.database)
     if not db.is_file():
         return
-    from egomem.memory.sqlite_store import SQLiteMemoryStore
+    from egomem.memory.sqlite import SQLiteMemoryStore
 
     store = SQLiteMemoryStore(db)
     try:
@@ -224,7 +225,7 @@ def run_doctor(cfg: Config, out=print) -> int:
     for check in CHECKS:
         try:
             findings = list(check(cfg))
-        except Exception as e:  # a check must never hide the others
+        except Exception as e:  # noqa: BLE001 - a check must never hide the others
             findings = [Finding("fail", f"{check.__name__} crashed: {e!r}", "report this as a bug")]
         for f in findings:
             out(f"{marks[f.level]} {f.what}")

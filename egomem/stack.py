@@ -31,8 +31,17 @@ from pathlib import Path
 from typing import Any
 
 from egomem.config import Config, to_toml
-from egomem.serving.launcher import (LaunchError, TritonServer, child_preexec, group_alive, open_private_log,
-                                     port_owner, private_dir, process_start_time, write_private)
+from egomem.serving.launcher import (
+    LaunchError,
+    TritonServer,
+    child_preexec,
+    group_alive,
+    open_private_log,
+    port_owner,
+    private_dir,
+    process_start_time,
+    write_private,
+)
 
 log = logging.getLogger(__name__)
 SERVICE_MODELS = ["mimi_codec", "dialog_lm", "face_encoder", "speaker_encoder", "text_encoder"]
@@ -116,7 +125,7 @@ class Stack:
         return self.run_dir / PID_FILE
 
     # -- start / stop ---------------------------------------------------------------------------
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         private_dir(self.run_dir)
         private_dir(Path(self.cfg.memory.chunk_dir))  # raw audio of users waits here for the worker
         db = Path(self.cfg.memory.database)
@@ -205,7 +214,7 @@ class Stack:
         if self._pid_file_is_ours():
             self.pid_file.unlink(missing_ok=True)
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,4 @@
-"""Choosing between a Triton kernel and its PyTorch reference (`impl="auto"|"triton"|"torch"`)."""
+"""Choosing between an operation's Triton kernel and its PyTorch path (`impl="auto"|"triton"|"torch"`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def triton_interpreting() -> bool:
 
 
 def resolve_impl(impl: Impl, device: torch.device) -> Literal["triton", "torch"]:
-    """auto = the Triton kernel on CUDA, the PyTorch reference elsewhere."""
+    """auto = the Triton kernel on CUDA, the PyTorch path elsewhere."""
     if impl == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if impl == "triton":

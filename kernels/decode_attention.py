@@ -13,7 +13,9 @@ softmax, to three regions of that slot's cache:
     positions when written (order inside the ring does not matter to softmax attention).
 Grouped KV heads (GQA): the H query heads share Hkv = H / G key/value heads.
 
-File layout: `@triton.jit` helpers, the kernel, the PyTorch reference, then the host wrapper.
+File layout: `@triton.jit` helpers, the kernel (CUDA path), the PyTorch path `decode_attention_torch`
+(CPU path, span-limited), then the host wrapper. The naive reference both are tested against:
+`reference.decode_attention_reference`.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def _runs(slots: list[int]) -> list[tuple[int, int]]:
 
 def decode_attention_torch(q, k_cache, v_cache, slots, l1_len, l2_len, ring_len, chunk_pos0, *,
                            n1: int, n2: int, max_period: float, interleave: bool, sm_scale: float) -> torch.Tensor:
-    """Reference: the query rotated by -chunk_pos0 for the chunk, masked softmax over chunk + ring scores."""
+    """The PyTorch path (CPU): the query rotated by -chunk_pos0 for the chunk, masked softmax over chunk +
+    ring scores, reading only the spans some row can see."""
     B, H, D = q.shape
     slot_list = slots.tolist()
     outs = []

@@ -6,7 +6,8 @@ into `cache[:, slot, :, start:start + n]` for every layer in one launch, casting
 Keys arrive rotated only to their position inside the chunk; `decode_attention` rotates the chunk on to
 its virtual positions at read time.
 
-File layout: Triton kernel, PyTorch reference, then the host wrapper `memchunk_write`.
+File layout: Triton kernel (CUDA), PyTorch path `memchunk_write_torch` (CPU), then the host wrapper
+`memchunk_write`. The naive reference both are tested against: `reference.memchunk_write_reference`.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _memchunk_write_kernel(
 
 def memchunk_write_torch(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
                          slot: int, start: int) -> None:
-    """Reference: plain slice assignment."""
+    """The PyTorch path (CPU): plain slice assignment."""
     n = src_k.shape[2]
     dst_k[:, slot, :, start:start + n] = src_k.to(dst_k.dtype)
     dst_v[:, slot, :, start:start + n] = src_v.to(dst_v.dtype)

@@ -1,7 +1,8 @@
 """Rotary position embedding (RoPE) in PyTorch, bit-compatible with `moshi.modules.rope.apply_rope`.
 
-Used by the references of the kernels here and by the dialog engine to rotate queries and ring keys
-at their real positions (the chunk keys are rotated at read time, see `decode_attention`).
+Used by the PyTorch paths and the naive references of the kernels here, and by the dialog engine to
+rotate queries and ring keys at their real positions (the chunk keys are rotated at read time, see
+`decode_attention`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,21 @@
-"""The orchestrator's aiohttp application: `init(cfg) -> web.Application`.
+"""The orchestrator's aiohttp application: `init(cfg) -> web.Application`, and `main` to serve it.
 
-Shared resources (the Triton client, the memory store, metrics, perception) live in one `Services`
-under the `SERVICES` AppKey, opened and closed by the `services_ctx` cleanup context. Middlewares,
-outermost first: errors, limits, auth. Routes: `/api/chat` (ws.py) and the REST API (rest.py).
+Dependencies point one way: this module builds the app from the routes (ws.py, rest.py), which read
+the shared resources (`Services`, under the `SERVICES` app key, both in services.py); nothing imports
+this module but `__main__`. The resources are opened and closed by the `services_ctx` cleanup context.
+Middlewares, outermost first: errors, limits, auth. Routes: `/api/chat` (ws.py), the REST API (rest.py)
+and `/openapi.json`, its description (openapi.py, which reads rest.py's routes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import logging.handlers
 import os
 import queue
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -23,17 +26,18 @@ from egomem.stack import tokens_path
 
 from .auth import TokenTable, auth_middleware
 from .cohort import encode_cohort, step_cohort
+from .gateway import ModelGateway, new_sequence_ids
 from .grid import GridClock
 from .metrics import Metrics
 from .middlewares import errors, install_log_redaction, limits
+from .openapi import spec
+from .perception import Perception
 from .rest import routes
-from .services import Services
+from .services import CONFIG, METRICS, SERVICES, Services
 from .ws import chat
 
 log = logging.getLogger(__name__)
-SERVICES = web.AppKey("services", Services)
-CONFIG = web.AppKey("config", Config)
-METRICS = web.AppKey("metrics", Metrics)
+STREAMS_CLOSE_S = 5.0  # at shutdown, open chats get this long to flush their memory and end their sequences
 
 
 async def services_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -43,20 +47,17 @@ async def services_ctx(app: web.Application) -> AsyncIterator[None]:
     triton = AsyncTritonClient(f"{cfg.server.host}:{cfg.server.grpc_port}", timeout_s=oc.triton_timeout_s)
     perception = None
     if oc.identify_models or oc.retrieval:
-        from .perception import Perception
-
         perception = await asyncio.to_thread(Perception, cfg, triton, store, oc.retrieval)
-    services = Services(cfg, triton, store, app[METRICS], perception,
-                        GridClock(app[METRICS], oc.max_tick_lag_s, encode_cohort, step_cohort, oc.overlap_ticks))
+    metrics = app[METRICS]
+    gateway = ModelGateway(triton, metrics, oc.triton_timeout_s, new_sequence_ids())
+    clock = GridClock(metrics, oc.max_tick_lag_s, functools.partial(encode_cohort, gateway=gateway),
+                      functools.partial(step_cohort, gateway=gateway), oc.overlap_ticks)
+    services = Services(cfg, triton, store, metrics, perception, gateway, clock)
     app[SERVICES] = services
     log.info("orchestrator: Triton at %s, store %s, %d stream slots", triton.url, cfg.memory.database, oc.max_streams)
     yield
-    for stream in list(services.streams.values()):  # streams end their Triton sequences and flush memory
-        stream.stop()
-    for _ in range(100):
-        if not services.streams:
-            break
-        await asyncio.sleep(0.05)
+    services.stop_streams()  # streams end their Triton sequences and flush memory
+    await services.closed_streams(STREAMS_CLOSE_S)
     if perception is not None:
         perception.close()
     await triton.close()
@@ -67,8 +68,11 @@ async def _close_sockets(app: web.Application) -> None:
     """On shutdown, close open chats so their handlers finish (flushing memory) before resources go."""
     services = app.get(SERVICES)
     if services:
-        for stream in list(services.streams.values()):
-            stream.stop()
+        services.stop_streams()
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.json_response(spec())
 
 
 def init(cfg: Config | None = None) -> web.Application:
@@ -85,6 +89,7 @@ def init(cfg: Config | None = None) -> web.Application:
     app.on_shutdown.append(_close_sockets)
     app.router.add_get("/api/chat", chat)
     app.add_routes(routes)
+    app.router.add_get("/openapi.json", openapi_json)
     return app
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable, Literal
+from typing import Literal
 
 from aiohttp import web
 
@@ -58,7 +59,7 @@ class TokenTable:
         return found
 
     @classmethod
-    def load(cls, file: Path | None, env_value: str | None) -> "TokenTable":
+    def load(cls, file: Path | None, env_value: str | None) -> TokenTable:
         tokens: dict[str, Scope] = {}
         if file is not None and Path(file).is_file():
             try:
@@ -73,7 +74,7 @@ class TokenTable:
                 tok, _, scope = part.strip().rpartition(":")
                 if not tok:
                     raise AuthConfigError("token variable entries are '<token>:<scope>' separated by commas")
-                tokens[tok] = scope  # type: ignore[assignment]
+                tokens[tok] = scope
         return cls(tokens)
 
 

@@ -14,6 +14,9 @@ follows the previous encode, its step the previous step; at most two ticks are i
 behind its clock skips ahead, counting the misses.
 
 A stream whose tick fails leaves the grid with its error (`run` raises it); the others go on.
+
+The grid knows nothing of models: it is handed its two phases (orchestrator/cohort.py's, which call the
+models through orchestrator/gateway.py), and of a stream it needs only `GridStream`.
 """
 
 from __future__ import annotations
@@ -21,26 +24,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Protocol
 
 from egomem.protocol import TICK_S
 
 from .metrics import Metrics
 
-if TYPE_CHECKING:
-    from .stream import Stream
-
 log = logging.getLogger(__name__)
 
-Failures = dict["Stream", BaseException]
-EncodeFn = Callable[[list["Stream"]], Awaitable[tuple[list[Any], Failures]]]  # -> (rows with .stream, failures)
+
+class GridStream(Protocol):
+    """What the grid needs of a stream (hashable, as every object is): that it has closed."""
+
+    closed: asyncio.Event
+
+
+Failures = dict[Any, BaseException]  # GridStream -> its error
+EncodeFn = Callable[[list[Any]], Awaitable[tuple[list[Any], Failures]]]  # streams -> (rows with .stream, failures)
 StepFn = Callable[[list[Any]], Awaitable[Failures]]
 
 
 @dataclass(eq=False)
 class _Tick:
-    members: list["Stream"]
+    members: list[GridStream]
     due: float
     encoded: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
@@ -53,7 +61,7 @@ class GridClock:
         self.metrics = metrics
         self.max_lag_s = max_lag_s
         self.encode, self.step, self.overlap = encode, step, overlap
-        self._members: dict["Stream", asyncio.Future] = {}  # stream -> its failure, if any
+        self._members: dict[GridStream, asyncio.Future] = {}  # stream -> its failure, if any
         self._task: asyncio.Task | None = None
         self._inflight: list[_Tick] = []  # oldest first
 
@@ -61,7 +69,7 @@ class GridClock:
     def size(self) -> int:
         return len(self._members)
 
-    async def run(self, stream: "Stream") -> None:
+    async def run(self, stream: GridStream) -> None:
         """Tick `stream` with the others until it closes; raises what its tick raised."""
         failure: asyncio.Future = asyncio.get_running_loop().create_future()
         self._members[stream] = failure
@@ -80,12 +88,12 @@ class GridClock:
         if failure.done():
             failure.result()  # raises the stream's error
 
-    def _fail(self, stream: "Stream", error: BaseException) -> None:
+    def _fail(self, stream: GridStream, error: BaseException) -> None:
         failure = self._members.get(stream)
         if failure is not None and not failure.done():
             failure.set_exception(error)
 
-    def _alive(self, stream: "Stream") -> bool:
+    def _alive(self, stream: GridStream) -> bool:
         failure = self._members.get(stream)
         return failure is None or not failure.done()  # a closed stream finishes the ticks it is in
 
@@ -96,7 +104,7 @@ class GridClock:
                 pending = [t.task for t in self._inflight if t.task is not None and not t.task.done()]
                 if pending:
                     await asyncio.wait(pending)
-        except Exception as e:  # noqa: BLE001 - a bug here must end the streams loudly, not hang them
+        except Exception as e:  # a bug here must end the streams loudly, not hang them
             log.exception("grid clock failed")
             for stream in list(self._members):
                 self._fail(stream, e)
@@ -110,9 +118,9 @@ class GridClock:
             if now < due:
                 await asyncio.sleep(due - now)
                 now = loop.time()
-            self._inflight = [t for t in self._inflight if not t.task.done()]  # type: ignore[union-attr]
+            self._inflight = [t for t in self._inflight if not t.task.done()]
             if self._inflight and (not self.overlap or len(self._inflight) >= 2):
-                await asyncio.wait([self._inflight[0].task])  # type: ignore[list-item]
+                await asyncio.wait([self._inflight[0].task])
                 continue  # re-read the clock and the members
             members = [s for s, f in self._members.items() if not f.done() and not s.closed.is_set()]
             if now - due > self.max_lag_s:  # far behind (a stall): skip ahead, count what was lost
@@ -130,7 +138,7 @@ class GridClock:
     async def _tick(self, tick: _Tick, previous: _Tick | None) -> None:
         try:
             await self._phases(tick, previous)
-        except Exception as e:  # noqa: BLE001 - a bug here must end this tick's streams loudly, not hang them
+        except Exception as e:  # a bug here must end this tick's streams loudly, not hang them
             log.exception("grid tick failed")
             for stream in tick.members:
                 self._fail(stream, e)

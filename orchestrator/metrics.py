@@ -60,7 +60,7 @@ class Metrics:
             self.values[name] = Histogram() if kind == "histogram" else 0.0
 
     def inc(self, name: str, by: float = 1.0) -> None:
-        self.values[name] += by  # type: ignore[operator]
+        self.values[name] += by
 
     def set(self, name: str, value: float) -> None:
         self.values[name] = float(value)

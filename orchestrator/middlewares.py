@@ -29,7 +29,7 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response({"error": str(e)}, status=409)
     except StoreError as e:
         return web.json_response({"error": str(e)}, status=400)
-    except Exception:  # noqa: BLE001 - logged with an id; the client sees only the id
+    except Exception:  # logged with an id; the client sees only the id
         err = uuid.uuid4().hex[:12]
         log.exception("request %s %s failed (error id %s)", request.method, request.path, err)
         return web.json_response({"error": f"internal error (id {err}); see the orchestrator log"}, status=500)

@@ -82,8 +82,7 @@ class Perception:
         self._busy = False  # a retrieval is using the retriever's caches (under `_state`)
         self.identifier = StoreBackedIdentifier(store, cfg.identity)  # the memory worker's identifier too
         self._text = _TritonTextEncoder(triton.url, cfg.orchestrator.triton_timeout_s) if use_text_encoder else None
-        self.retriever = Level2Retriever.from_config(cfg.retrieval, self._text)
-        self.retriever.memchunk_steps = min(self.retriever.memchunk_steps, cfg.dialog.l2_steps)
+        self.retriever = Level2Retriever.from_config(cfg.retrieval, self._text, cfg.dialog.l2_steps)
 
     def close(self) -> None:
         if self._text is not None:

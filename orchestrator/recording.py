@@ -90,7 +90,7 @@ def submit(store: MemoryStore, chunk_dir, chunk: StreamChunk, attempts: int = 3)
     for i in range(attempts):
         try:
             return submit_chunk(store, chunk_dir, chunk).job_id
-        except Exception as e:  # noqa: BLE001 - retried, then re-raised for the caller to report
+        except Exception as e:  # retried, then re-raised for the caller to report
             if i == attempts - 1:
                 raise
             log.warning("memory chunk %s/%d: submit failed (%s); retrying", chunk.stream_id, chunk.chunk_index, e)

@@ -1,8 +1,8 @@
 """REST over the memory store (admin scope): users, facts, relations, sessions, the operation log,
-forget; plus /healthz, /readyz, /metrics and /openapi.json. Store calls are blocking SQLite, so
-each runs in a worker thread; the event loop (and every stream's tick) never waits on disk or on a
-lock held across a model call. Every input is checked by its route's schema (validate.py): a bad
-one is a 400 naming the field."""
+forget; plus /healthz, /readyz and /metrics (app.py serves /openapi.json, openapi.py's description of
+these routes). Store calls are blocking SQLite, so each runs in a worker thread; the event loop (and
+every stream's tick) never waits on disk or on a lock held across a model call. Every input is
+checked by its route's schema (validate.py): a bad one is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from aiohttp import web
 from egomem.memory import StoreError
 from egomem.memory.types import Provenance
 
-from .openapi import spec
-from .services import Services
+from .services import SERVICES, Services
 from .validate import ID_PATTERN, INT64_MAX, Bool, Inputs, Int, Str, validated
 
 routes = web.RouteTableDef()
@@ -41,8 +40,6 @@ JOB_STATES = ("queued", "running", "done", "dead")
 
 
 def _s(request: web.Request) -> Services:
-    from .app import SERVICES
-
     return request.app[SERVICES]
 
 
@@ -104,11 +101,6 @@ async def metrics(request: web.Request) -> web.Response:
         pass
     return web.Response(text=s.metrics.render(), content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
-
-
-@routes.get("/openapi.json")
-async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(spec())
 
 
 # -- users -----------------------------------------------------------------------------------------

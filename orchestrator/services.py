@@ -1,29 +1,40 @@
-"""The shared resources of one orchestrator process (opened and closed by app.py's cleanup_ctx)."""
+"""The shared resources of one orchestrator process and the app keys they live under.
+
+`Services` is opened and closed by app.py's cleanup context; routes (rest.py, ws.py) read it as
+`request.app[SERVICES]`. The keys are defined here, beside what they hold, so routes import downward
+(routes -> services) and never the module that builds the app.
+"""
 
 from __future__ import annotations
 
-import itertools
-import os
-import time
+import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+from aiohttp import web
 
 from egomem.config import Config
 from egomem.memory import MemoryStore
 from egomem.serving.client import AsyncTritonClient
 
+from .gateway import ModelGateway
 from .grid import GridClock
 from .metrics import Metrics
-
-if TYPE_CHECKING:
-    from .perception import Perception
-    from .stream import Stream
+from .perception import Perception
+from .recording import Recorder
 
 
-def _sequence_ids():
-    """Triton correlation ids: unique across orchestrator restarts (time-seeded), never 0."""
-    base = (int(time.time() * 1000) % (1 << 40)) << 16 | (os.getpid() & 0xFFFF)
-    return itertools.count(base + 1)
+class OpenStream(Protocol):
+    """What the app and the REST routes need of a live chat stream (stream.py's `Stream` is one)."""
+
+    user_id: str | None
+    ticks: int
+    opened_at: float
+    recorder: Recorder
+
+    def stop(self) -> None: ...
+
+    def forget_user(self, user_id: str) -> None: ...
 
 
 @dataclass
@@ -32,11 +43,44 @@ class Services:
     triton: AsyncTritonClient
     store: MemoryStore
     metrics: Metrics
-    perception: "Perception | None"  # None: identification/retrieval models are off
-    clock: GridClock  # ticks the global-clock streams in lockstep
-    streams: dict[str, "Stream"] = field(default_factory=dict)
-    sequence_ids: "itertools.count[int]" = field(default_factory=_sequence_ids)
+    perception: Perception | None  # None: identification/retrieval models are off
+    gateway: ModelGateway  # the sequence-batched models (mimi_codec, dialog_lm): calls, sequence ids
+    clock: GridClock  # ticks the global-clock streams in lockstep (its phases call the gateway)
+    streams: dict[str, OpenStream] = field(default_factory=dict)  # open chats by stream id (ws.py keeps it)
+    _no_streams: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._no_streams.set()
 
     @property
     def free_slots(self) -> int:
         return self.cfg.orchestrator.max_streams - len(self.streams)
+
+    def add_stream(self, stream_id: str, stream: OpenStream) -> None:
+        self.streams[stream_id] = stream
+        self._no_streams.clear()
+        self.metrics.set("egomem_open_streams", len(self.streams))
+
+    def drop_stream(self, stream_id: str) -> None:
+        self.streams.pop(stream_id, None)
+        if not self.streams:
+            self._no_streams.set()
+        self.metrics.set("egomem_open_streams", len(self.streams))
+
+    def stop_streams(self) -> None:
+        """Ask every open chat to end (each flushes its memory and ends its Triton sequences)."""
+        for stream in list(self.streams.values()):
+            stream.stop()
+
+    async def closed_streams(self, timeout_s: float) -> bool:
+        """Wait until every chat handler has dropped its stream, at most `timeout_s`; True if they all did."""
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+SERVICES = web.AppKey("services", Services)
+CONFIG = web.AppKey("config", Config)
+METRICS = web.AppKey("metrics", Metrics)

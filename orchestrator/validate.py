@@ -15,8 +15,9 @@ import asyncio
 import functools
 import json
 import re
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 
@@ -153,7 +154,7 @@ def validated(path: Schema | None = None, query: Schema | None = None,
             b = await json_body(request, body) if body is not None else {}
             return await handler(request, Inputs(p, q, b))
 
-        run.schemas = {"path": dict(path or {}), "query": dict(query or {}),  # type: ignore[attr-defined]
+        run.schemas = {"path": dict(path or {}), "query": dict(query or {}),
                        "body": dict(body) if body is not None else None}
         return run
 

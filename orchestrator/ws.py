@@ -19,12 +19,23 @@ import uuid
 from aiohttp import WSMsgType, web
 
 from egomem.protocol import (
-    AUDIO, CLOSE_POLICY, CLOSE_TRY_LATER, CONTROL, ERROR, TRANSCRIPT, VIDEO, ProtocolError, check_video_frame,
-    pack, parse_json, parse_text, unpack,
+    AUDIO,
+    CLOSE_POLICY,
+    CLOSE_TRY_LATER,
+    CONTROL,
+    ERROR,
+    TRANSCRIPT,
+    VIDEO,
+    ProtocolError,
+    check_video_frame,
+    pack,
+    parse_json,
+    parse_text,
+    unpack,
 )
 
 from .audio_input import AudioInput
-from .services import Services
+from .services import SERVICES, Services
 from .stream import Stream
 
 log = logging.getLogger(__name__)
@@ -46,6 +57,8 @@ class Outbox:
         self.final = False  # the stream is being closed: only errors are still taken
         self.sending = False  # a message is on its way out (popped, not yet sent)
         self.gone = False  # the drain task ended: nothing queued will be sent
+        self.idle = asyncio.Event()  # nothing queued, nothing on its way out (or the drain task ended)
+        self.idle.set()
         self.on_drop = on_drop
 
     def put(self, msg: bytes) -> None:
@@ -65,6 +78,7 @@ class Outbox:
                 self.on_drop()
                 return
         self.q.append(msg)
+        self.idle.clear()
         self.ready.set()
 
     def finish(self) -> None:
@@ -72,12 +86,15 @@ class Outbox:
         self.final = True
         for m in [m for m in self.q if m[0] == AUDIO]:
             self.q.remove(m)
+        if not self.q and not self.sending:
+            self.idle.set()
 
     async def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
         """Wait until everything queued was sent, the client is gone, or `timeout_s` passed."""
-        deadline = time.monotonic() + timeout_s
-        while (self.q or self.sending) and not self.gone and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
 
     async def drain(self, ws: web.WebSocketResponse) -> None:
         try:
@@ -91,12 +108,14 @@ class Outbox:
                     self.sending = True
                     try:
                         await asyncio.wait_for(ws.send_bytes(msg), SEND_TIMEOUT_S)
-                    except (ConnectionError, RuntimeError, asyncio.TimeoutError):
+                    except (TimeoutError, ConnectionError, RuntimeError):
                         return  # the client is gone; the reader loop ends too
                     finally:
                         self.sending = False
+                self.idle.set()  # the queue is empty and its last message went out
         finally:
             self.gone = True
+            self.idle.set()
 
 
 class RateLimit:
@@ -118,9 +137,7 @@ class RateLimit:
 
 
 async def chat(request: web.Request) -> web.WebSocketResponse:
-    from .app import SERVICES
-
-    s: Services = request.app[SERVICES]
+    s = request.app[SERVICES]
     oc = s.cfg.orchestrator
     # aiohttp refuses a message of max_msg_size bytes or more; ours is "over max_message_bytes" (README)
     ws = web.WebSocketResponse(max_msg_size=oc.max_message_bytes + 1, heartbeat=20.0)
@@ -132,12 +149,11 @@ async def chat(request: web.Request) -> web.WebSocketResponse:
     stream_id = uuid.uuid4().hex[:16]
     outbox = Outbox(oc.send_queue_messages, lambda: s.metrics.inc("egomem_dropped_output_messages_total"))
     stream = Stream(s, stream_id, outbox.put)
-    s.streams[stream_id] = stream
+    s.add_stream(stream_id, stream)
     s.metrics.inc("egomem_streams_total")
-    s.metrics.set("egomem_open_streams", len(s.streams))
     writer = asyncio.create_task(outbox.drain(ws))
     runner = asyncio.create_task(stream.run())
-    closer = asyncio.create_task(_close_when_done(stream, ws, outbox))
+    closer = asyncio.create_task(_close_when_done(stream, runner, ws, outbox))
     try:
         await _read(ws, stream, s, outbox)
     finally:
@@ -149,21 +165,19 @@ async def chat(request: web.Request) -> web.WebSocketResponse:
         await asyncio.gather(writer, return_exceptions=True)
         if not ws.closed:
             await ws.close()
-        s.streams.pop(stream_id, None)
-        s.metrics.set("egomem_open_streams", len(s.streams))
+        s.drop_stream(stream_id)
         log.info("stream %s closed after %d ticks%s", stream_id, stream.ticks,
                  f" ({stream.failure})" if stream.failure else "")
     return ws
 
 
-async def _close_when_done(stream: Stream, ws: web.WebSocketResponse, outbox: Outbox) -> None:
-    """When the stream's loops end on their own (a model failure), tell the client and close."""
-    await stream.closed.wait()
-    await asyncio.sleep(0)  # let run() record the failure
-    for _ in range(100):
-        if stream.failure is not None or ws.closed:
-            break
-        await asyncio.sleep(0.01)
+async def _close_when_done(stream: Stream, runner: asyncio.Task, ws: web.WebSocketResponse, outbox: Outbox) -> None:
+    """When the stream's ticks end on their own (a model failure), tell the client and close."""
+    ended = asyncio.ensure_future(stream.ticking_ended.wait())  # set once run() knows its failure, if any
+    try:
+        await asyncio.wait([ended, runner], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ended.cancel()
     if stream.failure is not None and not ws.closed:
         stream.s.metrics.inc("egomem_stream_failures_total")
         await _refuse(ws, outbox, stream.failure.close_code, str(stream.failure))

@@ -12,23 +12,21 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from egomem.config import Config, load_config  # noqa: E402
-from egomem.serving.launcher import TritonServer, free_port  # noqa: E402
+from egomem.config import Config, load_config, with_overrides
+from egomem.serving.launcher import TritonServer, free_port
 
 DATA = Path(__file__).parent / "data"
 
 
 def test_config(run_dir: Path, **sections) -> Config:
     """A default config on free ports with its run folder under `run_dir`; `sections` override keys,
-    e.g. test_config(p, mimi={"max_streams": 4})."""
-    cfg = load_config(env={})
-    cfg.server.http_port, cfg.server.grpc_port, cfg.server.metrics_port = free_port(), free_port(), free_port()
-    cfg.server.run_dir = run_dir
-    cfg.memory.database = run_dir / "memory.sqlite3"
+    e.g. test_config(p, mimi={"max_streams": 4}) (through `with_overrides`: checked and validated)."""
+    base = {"server": {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port(),
+                       "run_dir": run_dir},
+            "memory": {"database": run_dir / "memory.sqlite3"}}
     for section, values in sections.items():
-        for k, v in values.items():
-            setattr(getattr(cfg, section), k, v)
-    return cfg
+        base[section] = {**base.get(section, {}), **values}
+    return with_overrides(load_config(env={}), base, source="test_config")
 
 
 test_config.__test__ = False  # a helper, not a test
@@ -65,8 +63,7 @@ class TritonFixture:
 
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory) -> TritonFixture:
-    cfg = test_config(tmp_path_factory.mktemp("triton"))
-    cfg.mimi.max_streams = 8  # keep each batched codec step small on 2 CPU cores
+    cfg = test_config(tmp_path_factory.mktemp("triton"), mimi={"max_streams": 8})  # small batched codec steps on 2 CPU cores
     server = TritonServer(cfg, models=[])
     server.start()
     try:

@@ -11,7 +11,8 @@ import asyncio
 import json
 import threading
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -60,10 +61,10 @@ class FakeOpenAIServer:
 
     async def _transcribe(self, request: web.Request) -> web.Response:
         form = await request.post()
-        data = form["file"].file.read()  # type: ignore[union-attr]
+        data = form["file"].file.read()
         self.transcriptions.append({"model": form.get("model"), "bytes": len(data)})
         self.transcription_files.append(data)
-        self.transcription_languages.append(form.get("language"))  # type: ignore[arg-type]
+        self.transcription_languages.append(form.get("language"))
         return web.json_response({"text": self.transcript_text})
 
     async def _start(self) -> None:
@@ -74,9 +75,9 @@ class FakeOpenAIServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = site._server.sockets[0].getsockname()[1]
 
-    def start(self) -> "FakeOpenAIServer":
+    def start(self) -> FakeOpenAIServer:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self

@@ -68,7 +68,7 @@ class OrchestratorThread:
         self._loop.run_until_complete(self._runner.cleanup())
         self._loop.close()
 
-    def start(self) -> "OrchestratorThread":
+    def start(self) -> OrchestratorThread:
         self._thread.start()
         self._started.wait(60)
         if self._error:
@@ -82,11 +82,11 @@ class OrchestratorThread:
 
     @property
     def services(self):
-        from egomem.orchestrator.app import SERVICES
+        from egomem.orchestrator.services import SERVICES
 
         return self.app[SERVICES]
 
-    def __enter__(self) -> "OrchestratorThread":
+    def __enter__(self) -> OrchestratorThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -14,17 +14,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from llm_server import FakeOpenAIServer
 
 from egomem.config import load_config
-from egomem.memory.asr import (AsrInputError, AsrUnavailable, OpenAIRecogniser, PocketSphinxRecogniser,
-                               WhisperRecogniser, check_audio, make_recogniser, resample, word_errors)
+from egomem.memory.asr import (
+    AsrInputError,
+    AsrUnavailable,
+    OpenAIRecogniser,
+    PocketSphinxRecogniser,
+    WhisperRecogniser,
+    check_audio,
+    make_recogniser,
+    resample,
+    word_errors,
+)
 from egomem.memory.chunk import StreamChunk
 from egomem.memory.segment import spans_to_labels
-from egomem.memory.sqlite_store import SQLiteMemoryStore
+from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.memory.transcribe import Transcriber
 from egomem.memory.worker import build_manager
-
-from llm_server import FakeOpenAIServer
 from tests.memory_helpers import ColumnLabeler
 
 DATA = Path(__file__).parent / "data" / "asr"
@@ -160,8 +168,14 @@ def tiny_whisper_folder(out: Path, says: str = "a") -> Path:
     and the last layer norm / output projection set so every step emits the byte `says` (a known answer)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration,
-                              WhisperProcessor, WhisperTokenizerFast)
+    from transformers import (
+        GenerationConfig,
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+        WhisperTokenizerFast,
+    )
     from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
     out.mkdir(parents=True)

@@ -11,13 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import test_config
 
 from egomem.cli import build_parser, main
 from egomem.config import ConfigError, load_config, to_toml
 from egomem.doctor import run_doctor
 from egomem.serving.launcher import LaunchError, TritonServer
-
-from conftest import test_config
 
 REPO = Path(__file__).resolve().parent.parent
 EGOMEM = str(Path(sys.executable).parent / "egomem")
@@ -29,7 +28,7 @@ EGOMEM = str(Path(sys.executable).parent / "egomem")
 def test_defaults_run_offline_and_round_trip_through_toml(tmp_path):
     cfg = load_config(env={})
     assert cfg.mimi.weights is None and cfg.server.device == "auto"
-    cfg.mimi.max_streams = 3
+    cfg.mimi.max_streams = cfg.orchestrator.max_streams = 3
     cfg.server.models = ["mimi_codec", "dialog_lm"]
     path = tmp_path / "c.toml"
     path.write_text(to_toml(cfg))
@@ -40,7 +39,8 @@ def test_defaults_run_offline_and_round_trip_through_toml(tmp_path):
 def test_toml_then_env_overrides(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('[server]\ngrpc_port = 9100\n[mimi]\nweights = "/w/mimi.safetensors"\n')
-    cfg = load_config(path, env={"EGOMEM__SERVER__GRPC_PORT": "9200", "EGOMEM__MIMI__MAX_STREAMS": "5"})
+    cfg = load_config(path, env={"EGOMEM__SERVER__GRPC_PORT": "9200", "EGOMEM__MIMI__MAX_STREAMS": "5",
+                                 "EGOMEM__ORCHESTRATOR__MAX_STREAMS": "5"})
     assert cfg.server.grpc_port == 9200  # env beats the file
     assert cfg.mimi.max_streams == 5
     assert cfg.mimi.weights == Path("/w/mimi.safetensors")
@@ -137,7 +137,7 @@ def test_doctor_reports_keys_the_one_identifier_cannot_search(tmp_path):
     another backend's model id are never searched again, and doctor says so."""
     import numpy as np
 
-    from egomem.memory.sqlite_store import SQLiteMemoryStore
+    from egomem.memory.sqlite import SQLiteMemoryStore
 
     cfg = load_config(env={})
     cfg.memory.database = tmp_path / "m.sqlite3"
@@ -216,8 +216,7 @@ def test_a_model_that_fails_to_load_is_reported_and_nothing_is_left_running(tmp_
 
 
 def test_serve_starts_and_ctrl_c_stops_everything(tmp_path):
-    cfg = test_config(tmp_path)
-    cfg.mimi.max_streams = 2
+    cfg = test_config(tmp_path, mimi={"max_streams": 2}, orchestrator={"max_streams": 2})
     path = tmp_path / "c.toml"
     path.write_text(to_toml(cfg))
     proc = subprocess.Popen([EGOMEM, "serve", "--config", str(path)], stdout=subprocess.PIPE,

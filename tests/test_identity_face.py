@@ -23,7 +23,7 @@ def load(name: str) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def encoder() -> DlibFaceEncoder:
-    return build_face_encoder(IdentityConfig())  # type: ignore[return-value]
+    return build_face_encoder(IdentityConfig())
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_speaker_candidate_prefers_central_among_equal_sizes() -> None:
 )
 def test_bad_images_get_clear_errors(encoder: DlibFaceEncoder, image: object, message: str) -> None:
     with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        encoder.encode(image)  # type: ignore[arg-type]
+        encoder.encode(image)
 
 
 def test_paper_backend_without_weights_names_what_is_missing(tmp_path: Path) -> None:

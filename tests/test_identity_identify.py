@@ -85,7 +85,7 @@ def test_face_and_voice_agree_or_follow_the_rule(ident: Identifier, faces, voice
     assert (r.user_id, r.decided_by) == ("ben", "both")
     # ann's face, cy's voice, cy not in view: a conflict, resolved by conflict_rule
     for rule, want in [("face", "ann"), ("voice", "cy"), ("reject", None)]:
-        ident.conflict_rule = rule  # type: ignore[assignment]
+        ident.conflict_rule = rule
         r = ident.identify(faces["img2"][None], voices["2414-128291-0009"])
         assert r.conflict and r.user_id == want
     # unknown face, known voice: the voice decides

@@ -25,7 +25,7 @@ def load(name: str) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def encoder() -> ResemblyzerEncoder:
-    return build_speaker_encoder(IdentityConfig())  # type: ignore[return-value]
+    return build_speaker_encoder(IdentityConfig())
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_speech_padded_with_silence_keeps_its_embedding(encoder: ResemblyzerEnco
 )
 def test_bad_audio_gets_clear_errors(encoder: ResemblyzerEncoder, pcm: object, sr: int, message: str) -> None:
     with pytest.raises(InputError, match=message):
-        encoder.encode(pcm, sr)  # type: ignore[arg-type]
+        encoder.encode(pcm, sr)
 
 
 def test_paper_backend_without_checkpoint_names_what_is_missing(tmp_path: Path) -> None:

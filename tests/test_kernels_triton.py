@@ -1,4 +1,5 @@
-"""Triton kernels vs their PyTorch references, run by the Triton interpreter on CPU.
+"""The two production paths of each kernel (Triton, interpreted on CPU, and PyTorch) against each other
+and against the naive references beside the kernels (`egomem.kernels.reference`).
 
 TRITON_INTERPRET must be set before triton's first import, so it is set at import of this module
 (egomem.kernels imports its triton modules lazily for this reason).
@@ -7,7 +8,6 @@ TRITON_INTERPRET must be set before triton's first import, so it is set at impor
 from __future__ import annotations
 
 import importlib
-import math
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels below
@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels belo
 import pytest
 import torch
 
+from egomem.kernels.reference import decode_attention_reference, memchunk_write_reference
 from egomem.kernels.rope import rope_rotate
 
 da_mod = importlib.import_module("egomem.kernels.decode_attention")
@@ -37,31 +38,6 @@ da = _interpreted(da_mod, "_decode_attention_kernel")
 mw = _interpreted(mw_mod, "_memchunk_write_kernel")
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
-
-
-def _naive_attention(q, k_cache, v_cache, slots, l1, l2, ring, pos0, n1, n2, max_period, interleave):
-    """Obviously-correct loop: each row's keys listed explicitly -- chunk keys (stored at their position
-    inside the chunk) rotated on by chunk_pos0 to their virtual positions -- then softmax per head."""
-    B, H, D = q.shape
-    Hkv = k_cache.shape[1]
-    out = torch.zeros(B, H, D, dtype=torch.float32)
-    for b in range(B):
-        s = int(slots[b])
-        shift = torch.tensor([int(pos0[b])])
-        keys, vals = [], []
-        for j in list(range(int(l1[b]))) + [n1 + j for j in range(int(l2[b]))]:
-            keys.append(rope_rotate(k_cache[s, :, j:j + 1], shift, max_period, interleave))
-            vals.append(v_cache[s, :, j:j + 1])
-        for j in range(int(ring[b])):
-            keys.append(k_cache[s, :, n1 + n2 + j:n1 + n2 + j + 1])
-            vals.append(v_cache[s, :, n1 + n2 + j:n1 + n2 + j + 1])
-        K = torch.cat(keys, dim=1).float()  # [Hkv, n, D]
-        V = torch.cat(vals, dim=1).float()
-        for h in range(H):
-            kv = h // (H // Hkv)
-            w = torch.softmax((K[kv] @ q[b, h].float()) / math.sqrt(D), dim=0)
-            out[b, h] = w @ V[kv]
-    return out
 
 
 def _inputs(B, S, H, Hkv, D, n1, n2, W, dtype, chunk: str, seed: int):
@@ -89,11 +65,11 @@ def _inputs(B, S, H, Hkv, D, n1, n2, W, dtype, chunk: str, seed: int):
 
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("chunk", ["empty", "ragged"])
-def test_torch_reference_matches_naive_loop(chunk, interleave):
+def test_torch_path_matches_naive_reference(chunk, interleave):
     n1, n2, W = 12, 8, 10
     args = _inputs(3, 4, 4, 2, 32, n1, n2, W, torch.float32, chunk, seed=7)
     got = da.decode_attention(*args, n1=n1, n2=n2, interleave=interleave, impl="torch")
-    want = _naive_attention(*args, n1, n2, 10_000.0, interleave)
+    want = decode_attention_reference(*args, n1=n1, n2=n2, max_period=10_000.0, interleave=interleave)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -105,7 +81,7 @@ def test_torch_path_reads_only_what_some_row_can_see():
     l1 = torch.tensor([0, 7, 4], dtype=torch.int32)
     l2 = torch.zeros(3, dtype=torch.int32)
     ring = torch.tensor([3, 1, 5], dtype=torch.int32)
-    want = _naive_attention(q, k, v, slots, l1, l2, ring, pos0, n1, n2, 10_000.0, True)
+    want = decode_attention_reference(q, k, v, slots, l1, l2, ring, pos0, n1=n1, n2=n2, max_period=10_000.0, interleave=True)
     for cache in (k, v):
         cache[:, :, 7:n1 + n2] = float("nan")  # beyond the longest L1, and all of L2
         cache[:, :, n1 + n2 + 5:] = float("nan")  # beyond the longest ring
@@ -113,20 +89,20 @@ def test_torch_path_reads_only_what_some_row_can_see():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_torch_reference_reads_runs_of_slots_as_views():
+def test_torch_path_reads_runs_of_slots_as_views():
     """Rows whose slots are consecutive (2, 3 then 0) are read per run; the result must not depend on it."""
     n1, n2, W = 8, 4, 6
     q, k, v, _, l1, l2, ring, pos0 = _inputs(3, 4, 2, 1, 32, n1, n2, W, torch.float32, "ragged", seed=9)
     slots = torch.tensor([2, 3, 0])
     got = da.decode_attention(q, k, v, slots, l1, l2, ring, pos0, n1=n1, n2=n2, impl="torch")
-    want = _naive_attention(q, k, v, slots, l1, l2, ring, pos0, n1, n2, 10_000.0, True)
+    want = decode_attention_reference(q, k, v, slots, l1, l2, ring, pos0, n1=n1, n2=n2, max_period=10_000.0, interleave=True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("chunk", ["empty", "full", "ragged"])
-def test_decode_attention_triton_matches_reference(chunk, gqa, dtype):
+def test_decode_attention_triton_matches_torch_path(chunk, gqa, dtype):
     Hkv, D, n1, n2, W = 2, 32, 40, 24, 48
     args = _inputs(3, 5, Hkv * gqa, Hkv, D, n1, n2, W, dtype, chunk, seed=11 + gqa)
     want = da.decode_attention(*args, n1=n1, n2=n2, impl="torch")
@@ -164,7 +140,7 @@ def test_chunk_is_rotated_on_read():
 
 
 @pytest.mark.parametrize("dst_dtype", [torch.float32, torch.float16])
-def test_memchunk_write_triton_matches_reference(dst_dtype):
+def test_memchunk_write_triton_matches_torch_path(dst_dtype):
     L, S, Hkv, T, D, N = 3, 4, 2, 90, 32, 70  # N > BLOCK_N: two blocks, the second ragged
     g = torch.Generator().manual_seed(1)
     src_k, src_v = torch.randn(2, L, Hkv, N, D, generator=g).unbind(0)
@@ -178,6 +154,17 @@ def test_memchunk_write_triton_matches_reference(dst_dtype):
     torch.testing.assert_close(got_k[:, 2, :, 12:82].float(), src_k, **TOL[dst_dtype])
 
 
+def test_memchunk_write_torch_path_matches_naive_reference():
+    L, S, Hkv, T, D, N = 2, 3, 2, 20, 8, 6
+    g = torch.Generator().manual_seed(2)
+    src_k, src_v = torch.randn(2, L, Hkv, N, D, generator=g).unbind(0)
+    dst_k, dst_v = torch.randn(2, L, S, Hkv, T, D, generator=g).to(torch.float16).unbind(0)
+    want_k, want_v = memchunk_write_reference(src_k, src_v, dst_k, dst_v, slot=1, start=5)
+    got_k, got_v = dst_k.clone(), dst_v.clone()
+    mw.memchunk_write(src_k, src_v, got_k, got_v, slot=1, start=5, impl="torch")
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
 def test_memchunk_write_refuses_overflow():
     src = torch.zeros(1, 1, 10, 32)
     dst = torch.zeros(1, 2, 1, 16, 32)
@@ -188,7 +175,7 @@ def test_memchunk_write_refuses_overflow():
 
 
 def test_engine_runs_the_triton_kernels():
-    """The same engine code with kernels='triton' (interpreted here) gives the reference path's logits."""
+    """The same engine code with kernels='triton' (interpreted here) gives the PyTorch path's logits."""
     from egomem.dialog import DialogEngine
     from egomem.dialog.checkpoint import build_lm
 

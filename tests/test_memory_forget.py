@@ -15,11 +15,13 @@ import numpy as np
 
 from egomem.config import load_config
 from egomem.memory.chunk import StreamChunk, submit_chunk
+from egomem.memory.commit import derived_id
 from egomem.memory.redact import MARKER, name_pattern
-from egomem.memory.sqlite_store import SQLiteMemoryStore, derived_id
+from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.memory.types import ItemDecision, Provenance, SessionCommit
 from egomem.memory.worker import build_manager, process_next_job
 from tests.memory_helpers import FACE_B, FACE_Z, VOICE_Z, ColumnLabeler, make_chunk, near
+
 
 class GatedLabeler(ColumnLabeler):
     """Holds the worker right after it loaded the chunk, until the test lets it go (a forget lands meanwhile)."""
@@ -285,7 +287,7 @@ def test_forget_through_the_served_api_redacts_every_name_and_scans_the_file(tmp
 
 
 def test_the_check_reads_waiting_chunks_and_reports_one_it_cannot_redact(tmp_path, monkeypatch):
-    from egomem.memory import sqlite_store
+    from egomem.memory.sqlite import forget as sqlite_store
 
     store = SQLiteMemoryStore(tmp_path / "m.db")
     zelda = store.create_user("Zelda")

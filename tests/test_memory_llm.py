@@ -9,18 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llm_server import FakeOpenAIServer
+from test_memory_manager import ColumnLabeler, chunk_a, chunk_b
 
 from egomem.config import load_config
 from egomem.memory.agents import EXTRACT_SCHEMA, LLMExtractor, LLMUpdateAgent
 from egomem.memory.chunk import submit_chunk
 from egomem.memory.llm import LLMClient, LLMFailed
 from egomem.memory.persona import PERSONA_KEYS
-from egomem.memory.sqlite_store import SQLiteMemoryStore
+from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.memory.transcribe import Transcriber
 from egomem.memory.worker import build_manager, process_next_job
-
-from llm_server import FakeOpenAIServer
-from test_memory_manager import ColumnLabeler, chunk_a, chunk_b
 
 EXTRACTED = {"summary": "Zelda talked about moving.", "name": "Zelda",
              "facts": [{"key": "lives_in", "text": "lives in Oslo"}],

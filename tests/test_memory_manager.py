@@ -18,7 +18,7 @@ import pytest
 from egomem.config import load_config
 from egomem.memory.chunk import StreamChunk, submit_chunk
 from egomem.memory.segment import spans_to_labels
-from egomem.memory.sqlite_store import SQLiteMemoryStore
+from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.memory.types import UNKNOWN_USER
 from egomem.memory.worker import build_manager, process_next_job, run_worker
 from tests.memory_helpers import FACE_B, FACE_Z, VOICE_Z, ColumnLabeler, make_chunk, near, unit
@@ -119,7 +119,7 @@ _CRASHY = """
 import sys, time
 from pathlib import Path
 from egomem.config import load_config
-from egomem.memory.sqlite_store import SQLiteMemoryStore
+from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.memory.worker import build_manager, process_next_job
 
 class ColumnLabeler:

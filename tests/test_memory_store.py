@@ -12,14 +12,14 @@ import threading
 import numpy as np
 import pytest
 
-from egomem.memory import sqlite_store
 from egomem.config import IdentityConfig
 from egomem.identity import StoreBackedIdentifier
 from egomem.identity.identify import FACE_MODEL_IDS, VOICE_MODEL_IDS
+from egomem.memory.errors import StoreError, VersionConflict
 from egomem.memory.redact import MARKER, mentions, name_pattern, redact
-from egomem.memory.sqlite_store import SQLiteMemoryStore
-from egomem.memory.store import StoreError, VersionConflict
-from egomem.memory.types import PersonaUpdate, Provenance, SessionCommit, NewKey, ItemDecision
+from egomem.memory.sqlite import SQLiteMemoryStore
+from egomem.memory.sqlite import connection as sqlite_store
+from egomem.memory.types import ItemDecision, NewKey, PersonaUpdate, Provenance, SessionCommit
 
 PY = sys.executable
 FACE_MODEL, VOICE_MODEL = FACE_MODEL_IDS["dlib"], VOICE_MODEL_IDS["resemblyzer"]  # the [identity] defaults
@@ -323,7 +323,7 @@ def test_concurrent_writers_threads_one_user(tmp_path):
 
 _PROC = """
 import sys
-from egomem.memory.sqlite_store import SQLiteMemoryStore
+from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.memory.types import PersonaUpdate
 s = SQLiteMemoryStore(sys.argv[1], busy_timeout_s=60)
 w, shared = int(sys.argv[2]), sys.argv[3]

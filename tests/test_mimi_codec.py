@@ -8,7 +8,13 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from egomem.codec.mimi import (
-    CARDINALITY, FRAME_SAMPLES, CodecRequest, MimiStreamPool, StreamError, build_mimi, serve_codec_batch,
+    CARDINALITY,
+    FRAME_SAMPLES,
+    CodecRequest,
+    MimiStreamPool,
+    StreamError,
+    build_mimi,
+    serve_codec_batch,
 )
 from egomem.config import MimiConfig
 

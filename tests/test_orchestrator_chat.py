@@ -49,7 +49,7 @@ def test_moshi_protocol_handshake_and_opus_round_trip(orch):
             while time.monotonic() < deadline and kinds.count(P.AUDIO) < 6:
                 try:
                     msg = await ws.receive(timeout=0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
                 if msg.type != aiohttp.WSMsgType.BINARY:
                     break

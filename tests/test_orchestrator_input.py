@@ -20,7 +20,11 @@ from egomem import protocol as P
 from egomem.client import ChatRefused, EgoMemClient, stream_audio
 from egomem.config import OrchestratorConfig
 from egomem.orchestrator.audio_input import (
-    AudioBudget, AudioInput, AudioRateExceeded, opus_packet_samples, scan_ogg_opus,
+    AudioBudget,
+    AudioInput,
+    AudioRateExceeded,
+    opus_packet_samples,
+    scan_ogg_opus,
 )
 from egomem.orchestrator.ws import Outbox
 from tests.orchestrator_harness import STREAM_TOKEN, run, served_orchestrator, tone, wait_until
@@ -317,7 +321,7 @@ async def _abuse(url: str, until: float) -> dict:
                 sent += 1
             try:
                 await chat.wait_for(lambda s: s.closed, max(until - time.monotonic(), 0.1))
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 pass
             await chat.close()
             errors += len(chat.errors)

@@ -24,7 +24,7 @@ MODELS = ["mimi_codec", "dialog_lm"]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("orch_recovery")
-    cfg = test_config(d, mimi={"max_streams": 4}, dialog={"max_streams": 4})
+    cfg = test_config(d, mimi={"max_streams": 4}, dialog={"max_streams": 4}, orchestrator={"max_streams": 4})
     oc = cfg.orchestrator
     oc.port, oc.identify_models, oc.retrieval, oc.triton_timeout_s = free_port(), False, False, 3.0
     cfg.memory.chunk_dir = d / "chunks"

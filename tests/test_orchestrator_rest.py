@@ -7,10 +7,17 @@ import pytest
 
 from egomem.client import ApiError, EgoMemClient
 from egomem.memory import open_store
-from egomem.orchestrator.auth import TokenTable, AuthConfigError
+from egomem.orchestrator.auth import AuthConfigError, TokenTable
 from egomem.orchestrator.openapi import spec
 from tests.conftest import test_config
-from tests.orchestrator_harness import ADMIN_TOKEN, FORGED_TOKEN, STREAM_TOKEN, OrchestratorThread, orchestrator_config, run
+from tests.orchestrator_harness import (
+    ADMIN_TOKEN,
+    FORGED_TOKEN,
+    STREAM_TOKEN,
+    OrchestratorThread,
+    orchestrator_config,
+    run,
+)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import pytest
 
 from egomem import protocol as P
 from egomem.orchestrator.grid import GridClock
+from egomem.orchestrator.memchunk import fit as _fit
 from egomem.orchestrator.metrics import Metrics
 from egomem.orchestrator.recording import Recorder
-from egomem.orchestrator.stream import _fit
 from egomem.orchestrator.ws import Outbox, RateLimit
 
 

@@ -30,7 +30,7 @@ def test_parses_groups(text: str, relations: tuple, keywords: tuple) -> None:
      "sister\ntennis<answer>", "<answer><retr>:\nsister\n", None, 42, b"<retr>:\nx\ny<answer>"],
 )
 def test_partial_empty_and_malformed_give_none(text: object) -> None:
-    assert parse_query(text) is None  # type: ignore[arg-type]
+    assert parse_query(text) is None
 
 
 def test_runaway_groups_are_capped() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from egomem.config import RetrievalConfig
-from egomem.memory.sqlite_store import SQLiteMemoryStore
+from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.relations import also_called, inverse_relation, vocabulary
 from egomem.retrieval import Level2Retriever, Neighbour, RetrievalQuery
 from egomem.retrieval.encoder import build_text_encoder

@@ -21,7 +21,7 @@ NEIGHBOURS = [
 
 @pytest.fixture(scope="module")
 def encoder() -> SentenceEncoder:
-    return build_text_encoder(RetrievalConfig())  # type: ignore[return-value]
+    return build_text_encoder(RetrievalConfig())
 
 
 @pytest.fixture()
@@ -100,9 +100,9 @@ def test_bm25_only_without_encoder() -> None:
 
 def test_bad_inputs_and_missing_paper_model(encoder: SentenceEncoder, tmp_path) -> None:
     with pytest.raises(InputError, match="list of strings"):
-        encoder.encode("not a list")  # type: ignore[arg-type]
+        encoder.encode("not a list")
     with pytest.raises(InputError, match="UTF-8"):
-        encoder.encode([b"\xff\xfe"])  # type: ignore[list-item]
+        encoder.encode([b"\xff\xfe"])
     with pytest.raises(ModelFilesMissing, match="bge_path"):
         build_text_encoder(RetrievalConfig(text_backend="bge"))
     with pytest.raises(ModelFilesMissing, match="modules.json"):

@@ -30,7 +30,7 @@ from egomem.client import EgoMemClient, stream_audio
 from egomem.config import load_config, to_toml
 from egomem.memory.chunk import StreamChunk, submit_chunk
 from egomem.memory.segment import spans_to_labels
-from egomem.memory.sqlite_store import SQLiteMemoryStore
+from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.memory.worker import build_manager, process_next_job
 from egomem.serving.launcher import LaunchError, free_port, process_start_time
 from egomem.stack import PID_FILE, Stack
@@ -87,7 +87,7 @@ class Serve:
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
 
-    def start(self, timeout: float = 300) -> "Serve":
+    def start(self, timeout: float = 300) -> Serve:
         argv = [EGOMEM, "serve", "--config", str(self.config_path), "--models", MODELS]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
@@ -145,7 +145,7 @@ class Serve:
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve_sup")
-    cfg = test_config(d / "run", mimi={"max_streams": 2}, dialog={"max_streams": 2})
+    cfg = test_config(d / "run", mimi={"max_streams": 2}, dialog={"max_streams": 2}, orchestrator={"max_streams": 2})
     oc = cfg.orchestrator
     oc.port, oc.identify_models, oc.retrieval, oc.triton_timeout_s = free_port(), False, False, 3.0
     cfg.memory.chunk_dir = d / "run" / "chunks"

@@ -132,7 +132,7 @@ def test_viterbi_min_gap_keeps_short_pauses_inside_one_session():
     assert len(plain) == 3  # min_gap 1: the 5-step pause splits the first conversation
     gapped = decode_sessions(viterbi_labels(lp, min_gap=10, min_len=8), min_len=1)
     assert len(gapped) >= 2 and gapped[-1] == (58, 65)  # the 30-step gap is a real gap
-    for (a0, a1), (b0, b1) in zip(gapped, gapped[1:]):  # sessions touch (a switch) or are >= 10 steps apart
+    for (_a0, a1), (b0, _b1) in zip(gapped, gapped[1:]):  # sessions touch (a switch) or are >= 10 steps apart
         assert b0 == a1 + 1 or b0 - a1 - 1 >= 10
     assert all(b - a + 1 >= 8 for a, b in gapped)  # none shorter than min_len
     # a tagger that sees the pause as dialog (uncertain, not rare labels): one conversation

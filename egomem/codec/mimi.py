@@ -23,16 +23,16 @@ import copy
 import heapq
 import logging
 import threading
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from egomem.config import MimiConfig
-from egomem.serving.streams import StreamError, admit
+from egomem.serving.streams import SlotTable, StreamError, admit
+from egomem.serving.wire import RowError
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +142,6 @@ def load_mimi_weights(model: torch.nn.Module, path: Path) -> None:
     model.load_state_dict(state, strict=True)
 
 
-@dataclass
-class _Stream:
-    slot: int
-    last_used: float
-
-
 class MimiStreamPool:
     """Many concurrent streaming Mimi encoders/decoders in one batched streaming state.
 
@@ -160,7 +154,7 @@ class MimiStreamPool:
         self.ttl_s = ttl_s
         self.device = next(model.parameters()).device
         self.num_codebooks = model.num_codebooks
-        self._streams: dict[int, _Stream] = {}
+        self._streams = SlotTable("Mimi")
         self._free = list(range(max_streams))  # a min-heap: the lowest free slot goes out first
         self._lock = threading.Lock()
         with torch.inference_mode():  # state tensors are inference tensors: create and update them in it
@@ -175,17 +169,17 @@ class MimiStreamPool:
     def open(self, stream_id: int) -> int:
         """Open (or re-open from scratch) a stream; returns its slot."""
         with self._lock:
-            self._reclaim_idle()
+            self._streams.reclaim_idle(self.ttl_s, self._release)
             if stream_id in self._streams:
-                slot = self._streams[stream_id].slot
+                slot = self._streams[stream_id]
             else:
                 if not self._free:
                     raise StreamError(
                         f"no free stream slot: all {self.max_streams} Mimi streams are open "
-                        f"(raise mimi.max_streams or close idle streams)"
+                        f"(raise mimi.max_streams or close idle streams)", RowError.NO_FREE_SLOT
                     )
                 slot = heapq.heappop(self._free)
-            self._streams[stream_id] = _Stream(slot, time.monotonic())
+            self._streams.put(stream_id, slot)
             self._reset_rows([slot])
             return slot
 
@@ -196,15 +190,15 @@ class MimiStreamPool:
     def _release(self, stream_id: int) -> None:
         """Free a stream's slot. On CPU the stream in the highest slot moves into the freed one (its
         state rows are copied), so the rows a call runs stay packed at 0..open streams - 1."""
-        s = self._streams.pop(stream_id, None)
-        if s is None:
+        freed = self._streams.pop(stream_id)
+        if freed is None:
             return
-        freed = s.slot
-        if self._narrow and self._streams:
-            top = max(self._streams.values(), key=lambda o: o.slot)
-            if top.slot > freed:
-                self._move_row(top.slot, freed)
-                freed, top.slot = top.slot, freed
+        if self._narrow and len(self._streams):
+            top, top_slot = max(self._streams.items(), key=lambda o: o[1])
+            if top_slot > freed:
+                self._move_row(top_slot, freed)
+                self._streams.move(top, freed)
+                freed = top_slot
         heapq.heappush(self._free, freed)
 
     @torch.inference_mode()
@@ -221,13 +215,6 @@ class MimiStreamPool:
     def open_streams(self) -> int:
         return len(self._streams)
 
-    def _reclaim_idle(self) -> None:
-        now = time.monotonic()
-        for sid, s in list(self._streams.items()):
-            if now - s.last_used > self.ttl_s:
-                log.info("Mimi: reclaiming stream %d idle for %.0f s", sid, now - s.last_used)
-                self._release(sid)
-
     @torch.inference_mode()
     def _reset_rows(self, slots: list[int]) -> None:
         mask = torch.zeros(self.max_streams, dtype=torch.bool, device=self.device)
@@ -236,14 +223,14 @@ class MimiStreamPool:
 
     def _slots(self, stream_ids: list[int]) -> list[int]:
         if len(set(stream_ids)) != len(stream_ids):
-            raise StreamError("a stream appears twice in one call")
+            raise StreamError("a stream appears twice in one call", RowError.DUPLICATE_ROW)
         out = []
         for sid in stream_ids:
-            s = self._streams.get(sid)
-            if s is None:
-                raise StreamError(f"unknown stream {sid}: open it first (sequence START)")
-            s.last_used = time.monotonic()
-            out.append(s.slot)
+            if sid not in self._streams:
+                raise StreamError(f"unknown stream {sid}: open it first (sequence START)",
+                                  RowError.UNKNOWN_STREAM)
+            self._streams.touch(sid)
+            out.append(self._streams[sid])
         return out
 
     # -- one step ---------------------------------------------------------------------------------
@@ -332,7 +319,7 @@ def _per_row(state: object) -> Iterator[tuple[str, str | None, torch.Tensor, int
     streaming `State`: dim 0 everywhere except RingKVCache's cache [2, B, H, T, D]."""
     from moshi.modules.transformer import RingKVCache
 
-    rows = state.batch_size  # type: ignore[attr-defined]
+    rows = state.batch_size
     for name, value in vars(state).items():
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
             yield name, None, value, 0
@@ -360,8 +347,8 @@ def _narrow_state(state: object, rows: int) -> tuple[object, Bound]:
         rows_view = tensor.narrow(dim, 0, rows)
         setattr(holder, name, rows_view)
         bound.append((holder, name, rows_view))
-    view.batch_size = rows  # type: ignore[attr-defined]
-    view._set_exec_mask_graphed = None  # type: ignore[attr-defined]  # CPU only: never a CUDA graph
+    view.batch_size = rows
+    view._set_exec_mask_graphed = None  # CPU only: never a CUDA graph
     return view, bound
 
 
@@ -412,12 +399,12 @@ def serve_codec_batch(pool: MimiStreamPool, requests: list[CodecRequest]) -> lis
     if enc:
         codes = pool.encode([requests[i].stream for i in enc], np.stack([requests[i].pcm for i in enc]))
         for j, i in enumerate(enc):
-            results[i].codes = codes[j]  # type: ignore[union-attr]
+            results[i].codes = codes[j]
     dec = [i for i in ok if requests[i].codes is not None]
     if dec:
         pcm = pool.decode([requests[i].stream for i in dec], np.stack([requests[i].codes for i in dec]))
         for j, i in enumerate(dec):
-            results[i].pcm = pcm[j]  # type: ignore[union-attr]
+            results[i].pcm = pcm[j]
     for r in requests:
         if r.end:
             pool.close(r.stream)

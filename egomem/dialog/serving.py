@@ -8,23 +8,19 @@ requests. Idle streams are closed by the pool's own TTL because Triton frees idl
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from egomem.config import DialogConfig
-
-from egomem.serving.streams import StreamError, admit
+from egomem.serving.streams import SlotTable, StreamError, admit
+from egomem.serving.wire import RowError
 
 from .checkpoint import DTYPES, build_lm
 from .engine import DialogEngine, NoFreeSlotError
 from .tokenizer import TextTokenizer, load_tokenizer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,8 +69,7 @@ class DialogStreamPool:
         self.engine = engine
         self.tokenizer = tokenizer
         self.ttl_s = ttl_s
-        self._slots: dict[int, int] = {}
-        self._last_used: dict[int, float] = {}
+        self._slots = SlotTable("dialog")
         self._lock = threading.Lock()
 
     def is_open(self, stream: int) -> bool:
@@ -86,29 +81,21 @@ class DialogStreamPool:
 
     def open(self, stream: int) -> int:
         """Open (or restart from scratch) a stream; returns its slot."""
-        self._reclaim_idle()
-        if stream in self._slots:
-            self.engine.close(self._slots.pop(stream))
+        self._slots.reclaim_idle(self.ttl_s, self.close)
+        old = self._slots.pop(stream)
+        if old is not None:
+            self.engine.close(old)
         try:
             slot = self.engine.open()
         except NoFreeSlotError as e:
-            raise StreamError(f"{e} (dialog.max_streams = {self.engine.max_streams})") from e
-        self._slots[stream] = slot
-        self._last_used[stream] = time.monotonic()
+            raise StreamError(f"{e} (dialog.max_streams = {self.engine.max_streams})", RowError.NO_FREE_SLOT) from e
+        self._slots.put(stream, slot)
         return slot
 
     def close(self, stream: int) -> None:
-        slot = self._slots.pop(stream, None)
-        self._last_used.pop(stream, None)
+        slot = self._slots.pop(stream)
         if slot is not None:
             self.engine.close(slot)
-
-    def _reclaim_idle(self) -> None:
-        now = time.monotonic()
-        for stream, last in list(self._last_used.items()):
-            if now - last > self.ttl_s:
-                log.info("dialog: closing stream %d idle for %.0f s", stream, now - last)
-                self.close(stream)
 
     def _memchunk_tokens(self, r: DialogRequest) -> list[int] | None:
         if r.memchunk_level is None:
@@ -130,7 +117,7 @@ class DialogStreamPool:
             for i, r in enumerate(requests):
                 try:
                     admit(self, r.stream, r.start)
-                    self._last_used[r.stream] = time.monotonic()
+                    self._slots.touch(r.stream)
                     if r.listen is None or np.asarray(r.listen).shape != (n_listen,):
                         shape = None if r.listen is None else list(np.asarray(r.listen).shape)
                         raise StreamError(f"LISTEN_CODES must hold {n_listen} codes, got shape {shape}")
@@ -154,4 +141,4 @@ class DialogStreamPool:
             for r in requests:
                 if r.end:
                     self.close(r.stream)
-            return results  # type: ignore[return-value]
+            return results

@@ -7,8 +7,8 @@ Heavy modules import lazily: `from egomem.identity import face` pulls in dlib on
 """
 
 from egomem.identity.errors import InputError, ModelFilesMissing
-from egomem.identity.index import KeyRecord, UserKeyIndex
 from egomem.identity.identify import Identification, Identifier
+from egomem.identity.index import KeyRecord, UserKeyIndex
 from egomem.identity.snorm import AdaptiveSNorm
 from egomem.identity.store_backed import StoreBackedIdentifier
 

@@ -1,9 +1,10 @@
 """Build the imposter cohort for adaptive s-norm: one embedding per speaker, from public speech.
 
-    python -m egomem.identity.cohort_build --audio-dir ../shared/data/speech/cohort \
-        --out egomem/data/cohort_resemblyzer_ge2e.npy
+    python -m egomem.identity.cohort_build --audio-dir DIR --out egomem/data/cohort_resemblyzer_ge2e.npy
 
-The shipped file was made this way from 251 LibriSpeech train-clean-100 utterances (one per
+DIR is any folder of LibriSpeech-named audio (`<speaker>-<chapter>-<utterance>.flac`); the repository's
+tests/data/identity (4 speakers) makes a trial cohort. The shipped file was made this way from a folder
+of 251 LibriSpeech train-clean-100 utterances kept outside the repository (one per
 speaker; CC BY 4.0, see egomem/data/COHORT_LICENSE.md). Files are taken in sorted order; for every
 speaker (the LibriSpeech file-name prefix before the first '-') the embeddings of its utterances are
 averaged. Silent/unvoiced files are skipped and reported.
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -51,7 +52,8 @@ def build_cohort(files: Iterable[Path], encoder: SpeakerEncoder, max_size: int =
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--audio-dir", type=Path, required=True, help="folder searched recursively for audio files")
+    ap.add_argument("--audio-dir", type=Path, required=True, help="folder searched recursively for LibriSpeech-named audio files "
+                                                                   "(e.g. tests/data/identity for a trial cohort)")
     ap.add_argument("--out", type=Path, required=True, help="output .npy [N, D] float32")
     ap.add_argument("--max-size", type=int, default=2000, help="at most this many speakers")
     ap.add_argument("--config", type=Path, default=None, help="egomem TOML (selects the voice backend)")

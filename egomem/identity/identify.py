@@ -70,7 +70,7 @@ class Identifier:
         self._enrol_stats.clear()
 
     @classmethod
-    def from_config(cls, cfg: IdentityConfig, index: UserKeyIndex | None = None, use_snorm: bool = True) -> "Identifier":
+    def from_config(cls, cfg: IdentityConfig, index: UserKeyIndex | None = None, use_snorm: bool = True) -> Identifier:
         """Thresholds and model ids of the configured backends; the cohort from `cohort_file` or the shipped one."""
         face_id, voice_id = FACE_MODEL_IDS[cfg.face_backend], VOICE_MODEL_IDS[cfg.voice_backend]
         snorm = None

@@ -13,8 +13,9 @@ force over all users (tested). Flat search over 1M 256-d keys is a few tens of m
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class UserKeyIndex:
         self._lock = threading.RLock()
 
     @classmethod
-    def rebuild(cls, records: Iterable[KeyRecord], batch: int = 65536) -> "UserKeyIndex":
+    def rebuild(cls, records: Iterable[KeyRecord], batch: int = 65536) -> UserKeyIndex:
         """A fresh index holding exactly `records` (e.g. everything the memory store lists)."""
         idx = cls()
         pending: dict[tuple[str, str], tuple[list[str], list[np.ndarray]]] = {}
@@ -85,7 +86,7 @@ class UserKeyIndex:
                 vecs.clear()
         for (modality, model_id), (users, vecs) in pending.items():
             if users:
-                idx.add_many(users, modality, model_id, np.stack(vecs))  # type: ignore[arg-type]
+                idx.add_many(users, modality, model_id, np.stack(vecs))
         return idx
 
     def add(self, record: KeyRecord) -> int:

@@ -42,7 +42,7 @@ class AdaptiveSNorm:
         self.k = int(min(top_k, n - 1, max(1, round(n * top_k / cohort_size))))  # n-1: one row may be excluded
 
     @classmethod
-    def from_file(cls, path: Path, top_k: int = 200, cohort_size: int = 2000) -> "AdaptiveSNorm":
+    def from_file(cls, path: Path, top_k: int = 200, cohort_size: int = 2000) -> AdaptiveSNorm:
         p = Path(path)
         if not p.is_file():
             raise ModelFilesMissing(

@@ -14,7 +14,8 @@ The store is taken as a small protocol (`KeySource`), so this package does not i
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import numpy as np
 

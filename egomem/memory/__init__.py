@@ -10,10 +10,12 @@ Entry points:
 """
 
 from egomem.memory.chunk import StreamChunk, submit_chunk
+from egomem.memory.errors import StoreError, VersionConflict
+from egomem.memory.factory import open_store
 from egomem.memory.identify import Identifier
 from egomem.memory.manager import MemoryManager
 from egomem.memory.segment import TriggerLabeler, decode_sessions
-from egomem.memory.store import MemoryStore, StoreError, VersionConflict, open_store
+from egomem.memory.store import MemoryStore
 from egomem.memory.types import UNKNOWN_USER, Provenance
 
 
@@ -26,7 +28,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'egomem.memory' has no attribute {name!r}")
 
 __all__ = [
-    "Identifier", "MemoryManager", "MemoryStore", "Provenance", "StoreError", "StreamChunk",
-    "TriggerLabeler", "UNKNOWN_USER", "VersionConflict", "decode_sessions", "open_store", "run_worker",
-    "submit_chunk",
+    "UNKNOWN_USER", "Identifier", "MemoryManager", "MemoryStore", "Provenance", "StoreError", "StreamChunk",
+    "TriggerLabeler", "VersionConflict", "decode_sessions", "open_store", "run_worker", "submit_chunk",
 ]

@@ -247,7 +247,7 @@ class WhisperRecogniser:
                 raise AsrUnavailable(f"asr.whisper_path {p}: CTranslate2 Whisper folder without "
                                      f"{', '.join(str(p / f) for f in missing)}")
             try:
-                from faster_whisper import WhisperModel  # type: ignore[import-not-found]
+                from faster_whisper import WhisperModel
             except ImportError as e:
                 raise AsrUnavailable(f"asr.whisper_path {p} is a CTranslate2 model: pip install faster-whisper") from e
             self._ct2 = WhisperModel(str(p), device=device, compute_type="int8" if device == "cpu" else "default",

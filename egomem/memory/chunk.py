@@ -20,9 +20,10 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Mapping, Sequence
+from typing import IO, Any
 
 import numpy as np
 
@@ -119,7 +120,7 @@ class StreamChunk:
             os.close(fd)
 
     @classmethod
-    def load(cls, folder: Path) -> "StreamChunk":
+    def load(cls, folder: Path) -> StreamChunk:
         folder = Path(folder)
         if not (folder / "meta.json").is_file():
             raise FileNotFoundError(f"stream chunk folder {folder} is missing or incomplete (no meta.json)")

@@ -28,7 +28,7 @@ def user_of(result: Any) -> str | None:
     """The user id from whatever an Identifier returned."""
     if result is None or isinstance(result, str):
         return result
-    return getattr(result, "user_id")
+    return result.user_id
 
 
 def mean_direction(vectors: np.ndarray) -> np.ndarray | None:

@@ -18,8 +18,9 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import openai
 
@@ -99,7 +100,7 @@ class LLMClient:
             retry_after: float | None = None
             try:
                 resp = self._client.chat.completions.create(
-                    model=self.model, messages=messages, temperature=self.cfg.temperature,  # type: ignore[arg-type]
+                    model=self.model, messages=messages, temperature=self.cfg.temperature,
                     response_format={"type": "json_object"})
                 data = _parse_json(resp.choices[0].message.content)
                 problem = validate(data, schema)

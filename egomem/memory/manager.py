@@ -14,17 +14,19 @@ by the user's version: if another writer changed the user meanwhile, it re-reads
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from egomem.memory.agents import AgentInfo, Extraction, Extractor, UpdateAgent, UpdatePlan
 from egomem.memory.chunk import STEP_S, STEP_SAMPLES, StreamChunk
+from egomem.memory.commit import derived_id
+from egomem.memory.errors import VersionConflict
 from egomem.memory.identify import Identifier, mean_direction, user_of
 from egomem.memory.segment import TriggerLabeler, decode_sessions, label_stream
-from egomem.memory.sqlite_store import derived_id
-from egomem.memory.store import MemoryStore, VersionConflict
+from egomem.memory.store import MemoryStore
 from egomem.memory.transcribe import Transcriber
 from egomem.memory.types import ItemDecision, NewKey, Provenance, SessionCommit
 
@@ -143,7 +145,7 @@ class MemoryManager:
             v = mean_direction(obs)
             model_id = self.identifier.face_model_id if modality == "face" else self.identifier.voice_model_id
             if v is not None and (modality, model_id) not in have:
-                keys.append(NewKey(modality, model_id, v))  # type: ignore[arg-type]
+                keys.append(NewKey(modality, model_id, v))
         return keys
 
     @staticmethod

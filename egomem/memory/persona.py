@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from egomem.memory.types import PersonaValue
+
 
 @dataclass(frozen=True)
 class PersonaDimension:
@@ -134,3 +136,15 @@ def describe(index: int, value: float) -> str:
     if value <= 0.4:
         return d.negative
     return ""
+
+
+def combine(old: PersonaValue | None, value: float, confidence: float) -> tuple[float, float]:
+    """New evidence merged into a stored dimension: the confidence-weighted mean of the values
+    (independent evidence raises the confidence), rounded to 6 places as stored."""
+    if old is None:
+        new_value, conf = value, confidence
+    else:
+        w = old.confidence + confidence
+        new_value = (old.value * old.confidence + value * confidence) / w if w > 0 else value
+        conf = 1.0 - (1.0 - old.confidence) * (1.0 - confidence)
+    return round(new_value, 6), round(conf, 6)

@@ -26,7 +26,7 @@ class TriggerLabeler(Protocol):
 def decode_sessions(labels: np.ndarray) -> list[tuple[int, int]]:
     """Sessions as (start step, end step inclusive), ordered."""
     try:
-        from egomem.trigger.decode import decode_sessions as real  # type: ignore[import-not-found]
+        from egomem.trigger.decode import decode_sessions as real
     except ImportError:
         real = None
     if real is not None:

@@ -1,4 +1,4 @@
-"""The memory store interface (`MemoryStore`) and `open_store(cfg)`.
+"""The memory store interface (`MemoryStore`); `open_store(cfg)` is in factory.py.
 
 The store is the source of truth for everything remembered about people (docs/architecture.md#memory-store): users,
 biometric keys, facts and preferences (superseded, never overwritten), summaries, the 90-dimension
@@ -6,25 +6,28 @@ persona, relations, sessions, the durable job queue, dead letters and the append
 log. Every index (faiss vectors, BM25) is rebuilt from it: `list_keys()` + `keys_generation()` for
 vectors, `neighbour_memories()` for Level-2 documents.
 
-Backends: `SQLiteMemoryStore` (WAL, embedded default). A PostgreSQL backend implements the same
-abstract methods; `render_profile` / `neighbour_memories` are written once here on top of them.
+`MemoryStore` is three interfaces in one backend: people, memories and sessions (here), the job
+queue (jobqueue.py `JobQueue`) and the LLM answer cache (llmcache.py `LLMCache`). Backends:
+`SQLiteMemoryStore` (egomem/memory/sqlite/, WAL, embedded default). A PostgreSQL backend implements
+the same abstract methods and storage only: `render_profile` / `neighbour_memories` are written once
+here on top of them, and the rules of a session commit once in commit.py. Errors: errors.py.
 All methods are thread-safe; several processes may open the same database.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from egomem.memory import persona as persona_dims
-from egomem.relations import inverse_relation
+from egomem.memory.jobqueue import JobQueue
+from egomem.memory.llmcache import LLMCache
 from egomem.memory.types import (
+    UNKNOWN_USER,
     BiometricKey,
-    DeadLetter,
     ForgetReceipt,
-    Job,
     MemoryItem,
     Modality,
     NeighbourMemory,
@@ -38,26 +41,14 @@ from egomem.memory.types import (
     SessionCommit,
     SessionRecord,
     Summary,
-    UNKNOWN_USER,
     User,
 )
+from egomem.relations import inverse_relation
 
 MANUAL = Provenance(actor="api", origin="manual")  # default provenance of direct (REST / admin) edits
 
 
-class StoreError(RuntimeError):
-    """A request the store cannot honour (unknown user, item not current, ...). The message says which."""
-
-
-class VersionConflict(StoreError):
-    """The user changed after the profile was read; re-read the profile and decide again."""
-
-
-class ChunkRedacted(StoreError):
-    """A forget rewrote the session's chunk after it was read: retry the job (it re-reads the redacted chunk)."""
-
-
-class MemoryStore(abc.ABC):
+class MemoryStore(JobQueue, LLMCache):
     """What the memory manager, the worker and the orchestrator call. See the module docstring."""
 
     # ---- users ----
@@ -169,51 +160,6 @@ class MemoryStore(abc.ABC):
     @abc.abstractmethod
     def op_log(self, user_id: str | None = None, after_op_id: int = 0, limit: int = 1000) -> list[OpLogEntry]: ...
 
-    # ---- durable job queue ----
-    @abc.abstractmethod
-    def enqueue_job(self, kind: str, key: str, payload: dict[str, Any], max_attempts: int | None = None) -> Job:
-        """Idempotent by `key`: enqueueing an existing key returns the existing job unchanged."""
-    @abc.abstractmethod
-    def claim_job(self, worker: str, lease_s: float, kinds: Sequence[str] | None = None) -> Job | None:
-        """Take the oldest ready job (or one whose lease expired: its worker died)."""
-    @abc.abstractmethod
-    def heartbeat_job(self, job_id: str, worker: str, lease_s: float) -> bool: ...
-    @abc.abstractmethod
-    def complete_job(self, job_id: str, worker: str, result: dict[str, Any]) -> bool:
-        """False when the lease was lost (another worker owns the job now)."""
-    @abc.abstractmethod
-    def fail_job(self, job_id: str, worker: str, error: str, retry_in_s: float) -> Job:
-        """Re-queue after `retry_in_s`, or once attempts are used up: status 'dead' + a dead letter."""
-    @abc.abstractmethod
-    def get_job(self, job_id: str) -> Job | None: ...
-    @abc.abstractmethod
-    def list_jobs(self, status: str | None = None) -> list[Job]: ...
-    @abc.abstractmethod
-    def job_counts(self) -> dict[str, int]:
-        """{status: number of jobs}, counted by the database (for /metrics: no rows are loaded)."""
-    @abc.abstractmethod
-    def dead_letter_count(self, unresolved_only: bool = True) -> int: ...
-
-    # ---- dead letters ----
-    @abc.abstractmethod
-    def add_dead_letter(self, source: str, stage: str, payload: dict[str, Any], error: str, attempts: int,
-                        job_id: str | None = None, session_id: str | None = None,
-                        user_id: str | None = None) -> str: ...
-    @abc.abstractmethod
-    def dead_letters(self, unresolved_only: bool = True) -> list[DeadLetter]: ...
-    @abc.abstractmethod
-    def resolve_dead_letters(self, resolution: str, dl_id: str | None = None, session_id: str | None = None) -> int: ...
-    @abc.abstractmethod
-    def requeue_dead_letter(self, dl_id: str) -> Job | None:
-        """Put a dead job back in the queue (attempts reset) and mark the letter resolved."""
-
-    # ---- LLM answers (replayed on re-runs so a retried job reaches the same result) ----
-    @abc.abstractmethod
-    def get_llm_response(self, prompt_hash: str) -> dict[str, Any] | None: ...
-    @abc.abstractmethod
-    def put_llm_response(self, prompt_hash: str, session_id: str | None, model: str, stage: str,
-                         response: dict[str, Any]) -> None: ...
-
     @abc.abstractmethod
     def close(self) -> None: ...
 
@@ -263,19 +209,3 @@ class MemoryStore(abc.ABC):
             out.append(NeighbourMemory(other, name, word, inverse, items[:per_neighbour]))
         return out
 
-
-def open_store(cfg: Any) -> MemoryStore:
-    """The store named by `MemoryConfig` (`cfg.backend`, `cfg.database`)."""
-    backend = getattr(cfg, "backend", "sqlite")
-    if backend == "sqlite":
-        from egomem.memory.sqlite_store import SQLiteMemoryStore
-
-        return SQLiteMemoryStore(
-            cfg.database,
-            busy_timeout_s=getattr(cfg, "busy_timeout_s", 30.0),
-            synchronous=getattr(cfg, "synchronous", "FULL"),
-            job_max_attempts=getattr(cfg, "job_max_attempts", 5),
-            forget_face_distance=getattr(cfg, "forget_face_distance", 0.30),
-            forget_voice_distance=getattr(cfg, "forget_voice_distance", 0.35),
-        )
-    raise StoreError(f"memory.backend = {backend!r} is not implemented; use 'sqlite'")

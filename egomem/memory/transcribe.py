@@ -19,8 +19,9 @@ raises `AsrUnavailable`, so the memory job fails and the queue retries it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from egomem.memory.agents import LLMExtractor, LLMUpdateAgent
 from egomem.memory.chunk import JOB_KIND, STEP_S, StreamChunk
+from egomem.memory.factory import open_store
 from egomem.memory.identify import Identifier
 from egomem.memory.llm import LLMClient
 from egomem.memory.manager import MemoryManager
 from egomem.memory.rules import RuleExtractor, RuleUpdateAgent
 from egomem.memory.segment import TriggerLabeler
-from egomem.memory.store import MemoryStore, open_store
+from egomem.memory.store import MemoryStore
 from egomem.memory.transcribe import Transcriber
 from egomem.memory.types import Job
 
@@ -47,7 +48,7 @@ def use_llm(cfg: Any) -> bool:
 def default_labeler(cfg: Any) -> TriggerLabeler:
     """The trained episodic trigger of `egomem.trigger` (in-process, config [trigger])."""
     try:
-        from egomem.trigger.labeler import TriggerLabeler as Trained  # type: ignore[import-not-found]
+        from egomem.trigger.labeler import TriggerLabeler as Trained
     except ImportError as e:
         raise RuntimeError("no episodic trigger to cut sessions: pass labeler= (any object with "
                            "label(tokens [T, 17]) -> labels [T]) or install egomem.trigger") from e
@@ -197,7 +198,7 @@ def process_next_job(manager: MemoryManager, cfg: Any, worker_id: str,
     lease = lease or LeaseKeeper(store, worker_id, m.job_lease_s)
     lease.hold(job.job_id)
     folder = Path((job.payload or {}).get("chunk_dir", ""))
-    manager.store = _LeasedStore(store, lease)  # type: ignore[assignment]
+    manager.store = _LeasedStore(store, lease)
     try:
         chunk = StreamChunk.load(folder)
         outcomes = manager.process_chunk(chunk, job.job_id, on_progress=lease.check)

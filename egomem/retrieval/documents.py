@@ -6,8 +6,8 @@ relation-graph neighbours as `Neighbour`s, so this package depends on nothing bu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class SentenceEncoder:
         dim_of = getattr(self._model, "get_embedding_dimension", None) or self._model.get_sentence_embedding_dimension
         self.dim = int(dim_of())
 
-    def to(self, device: str) -> "SentenceEncoder":
+    def to(self, device: str) -> SentenceEncoder:
         self._model.to(device)
         return self
 

@@ -17,8 +17,8 @@ Document embeddings are cached by text, so a stored memory item is embedded once
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -70,8 +70,10 @@ class Level2Retriever:
         self._bm25_last: tuple[tuple[str, ...], object, set[str]] | None = None
 
     @classmethod
-    def from_config(cls, cfg: RetrievalConfig, encoder: TextEncoder | None, count_tokens: Callable[[str], int] = byte_count) -> "Level2Retriever":
-        return cls(encoder, cfg.bm25_candidates, cfg.top_k, cfg.memchunk_steps, count_tokens,
+    def from_config(cls, cfg: RetrievalConfig, encoder: TextEncoder | None, memchunk_steps: int,
+                    count_tokens: Callable[[str], int] = byte_count) -> Level2Retriever:
+        """`memchunk_steps`: the Level-2 MemChunk's length, dialog.l2_steps (the setting's one place)."""
+        return cls(encoder, cfg.bm25_candidates, cfg.top_k, memchunk_steps, count_tokens,
                    max_query_chars=cfg.max_query_chars)
 
     # -- ranking --------------------------------------------------------------------------------
@@ -106,10 +108,10 @@ class Level2Retriever:
         if query is None:
             return []
         items = list(neighbours)
-        docs = build_documents(items) if items and isinstance(items[0], Neighbour) else items  # type: ignore[arg-type]
+        docs = build_documents(items) if items and isinstance(items[0], Neighbour) else items
         chosen: list[Hit] = []
         used = 0
-        for hit in self.rank(query, docs):  # type: ignore[arg-type]
+        for hit in self.rank(query, docs):
             line = hit.document.text()
             cost = self.count_tokens(line) + (self.count_tokens("\n") if chosen else 0)
             if used + cost <= self.memchunk_steps:

@@ -8,12 +8,14 @@ Wraps `tritonclient.grpc.aio` with numpy in/out and two error kinds the caller c
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferRequestedOutput, KeepAliveOptions
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from .wire import COHORT_ERRORS, COHORT_FLAGS, COHORT_STREAMS, RowError, numpy_dtype, parse_row_error
 
 
 class TritonUnavailable(ConnectionError):
@@ -43,8 +45,14 @@ def channel_args() -> list[tuple[str, int]]:
             ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS)]
 
 
-_UNAVAILABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED",
-                "failed to connect", "Socket closed", "is not ready", "unknown model")
+# Server down or restarting: the gRPC status says so, or (a connection lost mid-call, a model not loaded
+# yet) only tritonserver's / gRPC's own message does. Our models' refusals carry codes (egomem.serving.wire).
+_UNAVAILABLE_STATUS = {"StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED"}
+_UNAVAILABLE_TEXT = ("failed to connect", "Socket closed", "is not ready", "unknown model")
+
+
+def _unavailable(e: InferenceServerException) -> bool:
+    return e.status() in _UNAVAILABLE_STATUS or any(k in str(e) for k in _UNAVAILABLE_TEXT)
 
 
 class AsyncTritonClient:
@@ -62,7 +70,7 @@ class AsyncTritonClient:
     async def close(self) -> None:
         await self._client.close()
 
-    async def __aenter__(self) -> "AsyncTritonClient":
+    async def __aenter__(self) -> AsyncTritonClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -108,13 +116,12 @@ class AsyncTritonClient:
                                    sequence_start=start, sequence_end=end),
                 timeout=timeout,
             )
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise TritonUnavailable(f"{model}: no answer from {self.url} within {timeout:.1f} s") from e
         except InferenceServerException as e:
-            msg = str(e)
-            if any(k in msg for k in _UNAVAILABLE):
-                raise TritonUnavailable(f"{model}: {msg}") from e
-            raise TritonRequestError(f"{model}: {msg}") from e
+            if _unavailable(e):
+                raise TritonUnavailable(f"{model}: {e}") from e
+            raise TritonRequestError(f"{model}: {e}") from e
         return {o: res.as_numpy(o) for o in outputs}
 
     async def infer_cohort(
@@ -126,14 +133,16 @@ class AsyncTritonClient:
         inputs: Mapping[str, np.ndarray],
         outputs: list[str],
         timeout_s: float | None = None,
-    ) -> tuple[dict[str, np.ndarray], list[str]]:
-        """One cohort request (egomem.serving.adapter): row r of every input and output belongs to
-        `streams[r]`, whose START/END bits are `flags[r]`. `cohort_id` is the request's own one-request
-        sequence (unique, > 0). Returns the outputs ([rows, ...]) and each row's error ("" = served)."""
-        ins = {"COHORT_STREAMS": np.asarray(streams, np.int64)[None],
-               "COHORT_FLAGS": np.asarray(flags, np.int32)[None]}
+    ) -> tuple[dict[str, np.ndarray], list[tuple[RowError, str] | None]]:
+        """One cohort request (egomem.serving.adapter, egomem.serving.wire): row r of every input and
+        output belongs to `streams[r]`, whose START/END bits are `flags[r]`. `cohort_id` is the request's
+        own one-request sequence (unique, > 0). Returns the outputs ([rows, ...]) and each row's failure,
+        (code, message), or None where the row was served."""
+        ins = {COHORT_STREAMS: np.asarray(streams, numpy_dtype(model, COHORT_STREAMS))[None],
+               COHORT_FLAGS: np.asarray(flags, numpy_dtype(model, COHORT_FLAGS))[None]}
         ins.update({name: np.asarray(a)[None] for name, a in inputs.items()})
-        out = await self.infer(model, ins, [*outputs, "COHORT_ERRORS"], cohort_id, start=True, end=True,
+        out = await self.infer(model, ins, [*outputs, COHORT_ERRORS], cohort_id, start=True, end=True,
                                timeout_s=timeout_s)
-        errors = [e.decode("utf-8", "replace") if isinstance(e, bytes) else str(e) for e in out.pop("COHORT_ERRORS")[0]]
+        errors = [parse_row_error(e.decode("utf-8", "replace") if isinstance(e, bytes) else str(e))
+                  for e in out.pop(COHORT_ERRORS)[0]]
         return {name: a[0] for name, a in out.items()}, errors

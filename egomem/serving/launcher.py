@@ -31,9 +31,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from egomem.config import Config, to_toml
 
@@ -81,7 +81,7 @@ def cuda_available() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
-    except Exception:  # torch missing or broken CUDA runtime: treat as CPU
+    except Exception:  # noqa: BLE001 - torch missing or broken CUDA runtime: treat as CPU
         return False
 
 
@@ -281,7 +281,7 @@ class TritonServer:
         return dst
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, timeout_s: float | None = None, port_wait_s: float = 0.0) -> "TritonServer":
+    def start(self, timeout_s: float | None = None, port_wait_s: float = 0.0) -> TritonServer:
         """Start the server and wait until it and its models are ready. `port_wait_s`: how long a
         busy port may take to be freed (a restart after a crash: the old stubs are still exiting)."""
         if self.proc is not None:
@@ -365,7 +365,7 @@ class TritonServer:
         if name not in self.models:
             self.models.append(name)
 
-    def restart(self, timeout_s: float | None = None) -> "TritonServer":
+    def restart(self, timeout_s: float | None = None) -> TritonServer:
         """Stop what is left of the server (its stubs too) and start it again on the same ports with
         the same models (those loaded later included)."""
         self.stop()
@@ -399,7 +399,7 @@ class TritonServer:
             return "(no tritonserver log)"
         return "--- tritonserver log (last lines) ---\n" + "\n".join(text[-lines:])
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

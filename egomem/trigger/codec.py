@@ -17,7 +17,6 @@ import torch
 
 from egomem.config import MimiConfig
 
-
 SAMPLE_RATE = 24_000
 FRAME_SAMPLES = 1920  # one 80 ms step
 

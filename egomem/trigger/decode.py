@@ -104,7 +104,7 @@ def _lattice(min_gap: int, min_len: int) -> tuple[np.ndarray, np.ndarray, np.nda
     G, L = max(1, int(min_gap)), max(2, int(min_len))
     S = G
     chain = list(range(G + 1, G + L - 1))  # C_2 .. C_L-1
-    I, E = G + L - 1, G + L
+    I, E = G + L - 1, G + L  # noqa: E741 - the lattice's "in session" state, named as in the docstring
     n = G + L + 1
     label = np.array([0] * G + [1] + [2] * len(chain) + [2, 3])
     allowed = np.zeros((n, n), bool)

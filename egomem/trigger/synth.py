@@ -45,7 +45,6 @@ import numpy as np
 
 from egomem.trigger.model import END, IN_SESSION, NO_DIALOG, START
 
-
 STEP_S = 0.08
 TEXT_PAD = 3  # moshi's existing_text_padding_id
 CACHE_VERSION = 4  # 2: per-utterance frame activity ("vad"); 3: 48/12 noise clips; 4: GE2E voice partials
@@ -91,7 +90,7 @@ class CodeCache:
         np.savez_compressed(path, **arrays)
 
     @classmethod
-    def load(cls, path: Path) -> "CodeCache":
+    def load(cls, path: Path) -> CodeCache:
         z = np.load(path)
         if int(z["meta"][0]) != CACHE_VERSION:
             raise ValueError(f"{path}: code cache version {int(z['meta'][0])}, expected {CACHE_VERSION}; rebuild it")

@@ -1,5 +1,7 @@
 """Triton Python-backend adapter for the episodic trigger (logic: egomem.trigger.TriggerLabeler)."""
 
+import dataclasses
+
 import triton_python_backend_utils as pb_utils
 
 from egomem.config import load_config
@@ -12,9 +14,9 @@ class TritonPythonModel:
         check_model_config(args, inputs={"TOKENS": "TYPE_INT64"}, outputs={"LABELS": "TYPE_INT64"})
         cfg = load_config().trigger
         if args.get("model_instance_kind") == "GPU":
-            cfg.device = "cuda"
+            cfg = dataclasses.replace(cfg, device="cuda")
         elif cfg.device == "auto":
-            cfg.device = "cpu"  # a KIND_CPU instance stays on the CPU even where CUDA is visible
+            cfg = dataclasses.replace(cfg, device="cpu")  # a KIND_CPU instance stays on the CPU even where CUDA is visible
         self.labeler = TriggerLabeler(cfg)
 
     def execute(self, requests):

@@ -1,0 +1,50 @@
+"""What one stream's dialog model is told about the person in front of it: who that is (`user_id`,
+set by identification, cleared by a forget) and the MemChunk refreshes waiting for the next tick
+(level 1: the user's rendered profile; level 2: facts retrieved for a query)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Refresh:
+    level: int  # 1 profile, 2 retrieved facts
+    text: str
+    user_id: str | None
+    asked_at: float
+
+
+class MemChunk:
+    def __init__(self, l1_steps: int):
+        self.l1_steps = l1_steps  # MemChunk steps a profile may fill
+        self.user_id: str | None = None  # who the stream personalises for; None: nobody (yet)
+        self._waiting: collections.deque[Refresh] = collections.deque()
+
+    def request(self, level: int, text: str, user_id: str | None) -> None:
+        if level == 1:  # a new L1 clears L2 in the engine: drop any L2 still waiting
+            self._waiting = collections.deque(r for r in self._waiting if r.level != 2)
+        self._waiting.append(Refresh(level, text, user_id, time.monotonic()))
+
+    def profile(self, text: str, user_id: str) -> None:
+        """An L1 refresh with `user_id`'s rendered profile, cut to what the MemChunk holds."""
+        self.request(1, fit(text, self.l1_steps), user_id)
+
+    def take(self) -> Refresh | None:
+        """The refresh to apply with this tick's dialog step, if one is waiting."""
+        return self._waiting.popleft() if self._waiting else None
+
+
+def fit(text: str, max_bytes: int) -> str:
+    """Cut `text` to at most `max_bytes` UTF-8 bytes at a line boundary (one byte = one MemChunk step
+    with the offline byte tokenizer; SentencePiece needs fewer steps, never more)."""
+    out, used = [], 0
+    for line in text.split("\n"):
+        cost = len(line.encode("utf-8")) + (1 if out else 0)
+        if used + cost > max_bytes:
+            break
+        out.append(line)
+        used += cost
+    return "\n".join(out)
