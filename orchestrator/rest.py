@@ -157,6 +157,7 @@ async def forget_user(request: web.Request, v: Inputs) -> web.Response:
     distance = {"face": s.cfg.memory.forget_face_distance, "voice": s.cfg.memory.forget_voice_distance}
     for stream in list(s.streams.values()):  # first, so no chunk cut while the forget runs holds them
         redact_recording(stream.recorder, name_pattern(names), theirs, others, distance)  # on the loop, as it records
+    await s.handoffs_done()  # chunks cut before that reach the queue first, where the forget redacts them
     receipt = await _run(s.store.forget_user, user.user_id, ADMIN, v.query["reason"])
     if s.perception is not None:
         await _run(s.perception.forget)  # never waits behind a retrieval; the identifier's lock may be busy

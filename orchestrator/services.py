@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,6 +49,8 @@ class Services:
     gateway: ModelGateway  # the sequence-batched models (mimi_codec, dialog_lm): calls, sequence ids
     clock: GridClock  # ticks the global-clock streams in lockstep (its phases call the gateway)
     streams: dict[str, OpenStream] = field(default_factory=dict)  # open chats by stream id (ws.py keeps it)
+    # Recorded chunks cut and on their way into the job queue; a forget waits for them (`handoffs_done`).
+    handoffs: set[asyncio.Future[None]] = field(default_factory=set)
     _no_streams: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +70,24 @@ class Services:
         if not self.streams:
             self._no_streams.set()
         self.metrics.set("egomem_open_streams", len(self.streams))
+
+    @contextlib.contextmanager
+    def handoff(self) -> Iterator[None]:
+        """Marks a recorded chunk on its way from a stream into the job queue (cut, then submitted)."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.handoffs.add(done)
+        try:
+            yield
+        finally:
+            self.handoffs.discard(done)
+            if not done.done():
+                done.set_result(None)
+
+    async def handoffs_done(self) -> None:
+        """Wait until every chunk cut so far is in the job queue (or failed), so that a forget's pass over
+        the queue sees it: a chunk cut before the forget redacted the recordings must not slip in after."""
+        if self.handoffs:
+            await asyncio.wait(list(self.handoffs))  # not gather: a cancelled forget must not cancel them
 
     def stop_streams(self) -> None:
         """Ask every open chat to end (each flushes its memory and ends its Triton sequences)."""

@@ -246,15 +246,16 @@ class Stream:
 
     # -- memory ------------------------------------------------------------------------------------
     async def flush_memory(self) -> None:
-        """Hand what was recorded to the memory manager (a durable job)."""
-        chunk = self.recorder.cut()
-        if chunk is None:
-            return
-        try:
-            job_id = await asyncio.to_thread(submit, self.s.store, self.cfg.memory.chunk_dir, chunk)
-        except Exception as e:  # noqa: BLE001 - the stream goes on; the client is told this chunk was not stored
-            log.error("stream %s: memory chunk %d could not be stored: %s", self.stream_id, chunk.chunk_index, e)
-            self.send(pack_event("warning", message=f"memory chunk {chunk.chunk_index} not stored: {e}"))
-            return
+        """Hand what was recorded to the memory manager (a durable job). A forget waits for the hand-off."""
+        with self.s.handoff():
+            chunk = self.recorder.cut()
+            if chunk is None:
+                return
+            try:
+                job_id = await asyncio.to_thread(submit, self.s.store, self.cfg.memory.chunk_dir, chunk)
+            except Exception as e:  # noqa: BLE001 - the stream goes on; the client is told this chunk was not stored
+                log.error("stream %s: memory chunk %d could not be stored: %s", self.stream_id, chunk.chunk_index, e)
+                self.send(pack_event("warning", message=f"memory chunk {chunk.chunk_index} not stored: {e}"))
+                return
         self.s.metrics.inc("egomem_memory_jobs_total")
         self.send(pack_event("memory_written", chunk_index=chunk.chunk_index, steps=chunk.steps, job_id=job_id))

@@ -330,3 +330,61 @@ def test_a_recording_not_yet_cut_loses_the_person_before_it_becomes_a_chunk():
     assert [t for t, _ in chunk.faces] == [40, 50] and chunk.voices == []
     assert chunk.client_transcript == [(45, f"My friend {MARKER} moved to Rome.")]
     assert not chunk.listen_audio[:28 * 1920].any() and chunk.listen_audio[28 * 1920:].all()  # steps 0..27: hers
+
+
+def test_a_chunk_cut_before_the_forget_reaches_the_queue_first_and_is_redacted(tmp_path):
+    """A stream cut its recording (naming Zelda) just before an admin forgets her; the chunk's way into
+    the job queue is still under way (here: held behind the database's write lock). The forget waits
+    for the hand-off (`Services.handoffs_done`), so its pass over the queue finds and redacts the chunk,
+    instead of the chunk landing unredacted after it."""
+    import asyncio
+    import sqlite3
+    import time
+
+    from egomem.client import EgoMemClient
+    from egomem.memory import open_store
+    from egomem.memory.chunk import StreamChunk
+    from orchestrator.recording import Recorder
+    from tests.conftest import test_config
+    from tests.orchestrator_harness import ADMIN_TOKEN, OrchestratorThread, orchestrator_config, run
+
+    cfg = orchestrator_config(test_config(tmp_path), tmp_path, identify_models=False, retrieval=False)
+    store = open_store(cfg.memory)
+    zelda = store.create_user("Zelda")
+    store.close()
+    rec = Recorder("live", record_audio=False)
+    for step in range(20):
+        rec.tick(0, np.zeros(8, np.int64), np.zeros(8, np.int64), np.zeros(1920, np.float32), "")
+        if step == 5:
+            rec.transcript_line("My friend Zelda says hi.")
+    with OrchestratorThread(cfg) as o:
+        services = o.services
+        blocker = sqlite3.connect(cfg.memory.database, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # the database's write lock: the chunk's job insert waits for it
+
+        async def hand_off():  # what Stream.flush_memory does: cut, then submit in a worker thread
+            with services.handoff():
+                chunk = rec.cut()
+                return await asyncio.to_thread(submit_chunk, services.store, cfg.memory.chunk_dir, chunk)
+
+        handoff = asyncio.run_coroutine_threadsafe(hand_off(), o._loop)
+        time.sleep(0.3)  # cut, and blocked in its insert
+        result: dict[str, object] = {}
+
+        async def forget():
+            async with EgoMemClient(o.url, ADMIN_TOKEN) as c:
+                result["forget"] = await c.forget(zelda.user_id)
+
+        admin = threading.Thread(target=lambda: run(forget()))
+        admin.start()
+        time.sleep(1.0)
+        assert "forget" not in result  # it waits for the hand-off, which waits for the lock
+        blocker.execute("COMMIT")
+        blocker.close()
+        job = handoff.result(60)
+        admin.join(60)
+    res = result["forget"]
+    assert res["verified_leftovers"] == [], res
+    chunk = StreamChunk.load(Path(job.payload["chunk_dir"]))
+    assert chunk.client_transcript and not any("Zelda" in t for _, t in chunk.client_transcript), chunk.client_transcript
+    assert any(MARKER in t for _, t in chunk.client_transcript)
