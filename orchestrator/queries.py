@@ -52,7 +52,7 @@ class QueryDetector:
         t0 = time.monotonic()
         user = self.memchunk.user_id
         try:
-            hits = await asyncio.to_thread(self.p.retrieve, user, query)  # type: ignore[union-attr]
+            hits = await asyncio.to_thread(self.p.retrieve, user, query)
         except Exception as e:  # noqa: BLE001 - a failed retrieval must not end the dialog
             self.metrics.inc("egomem_triton_errors_total")
             self.send(pack_event("warning", message=f"retrieval failed: {e}"))

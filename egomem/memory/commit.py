@@ -110,7 +110,7 @@ def apply_session(w: SessionWriter, m: SessionCommit) -> bool:
         if d.action in ("add", "supersede"):
             key, polarity = d.key, d.polarity
             if d.action == "supersede":
-                old = w.item(d.target_id)  # type: ignore[arg-type]
+                old = w.item(d.target_id)
                 key, polarity = key or old.key, polarity or old.polarity
             w.insert_item(new_id, user_id, d.kind, d.text, key, polarity, m.valid_from, prov, d.reason)
     if m.persona:

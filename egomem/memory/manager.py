@@ -73,18 +73,20 @@ class MemoryManager:
         return [(p.start, p.end) for p in self.pieces_of(chunk)]
 
     def process_chunk(self, chunk: StreamChunk, job_id: str | None = None,
-                      on_progress: Callable[[], None] | None = None) -> list[SessionOutcome]:
+                      before_commit: Callable[[], None] | None = None) -> list[SessionOutcome]:
+        """Every session of the chunk. `before_commit` runs before each session's commit and may raise
+        to stop the job there (the worker renews its lease, and stops if another worker took the job)."""
         out = []
         pieces = self.pieces_of(chunk)
         for p, lines in zip(pieces, assign_lines([(p.start, p.end) for p in pieces], chunk.client_transcript)):
-            out.append(self.process_session(chunk, p.start, p.end, job_id, (p.face_steps, p.voice_steps), lines))
-            if on_progress is not None:
-                on_progress()  # e.g. extend the job's lease
+            out.append(self.process_session(chunk, p.start, p.end, job_id, (p.face_steps, p.voice_steps), lines,
+                                            before_commit))
         return out
 
     def process_session(self, chunk: StreamChunk, start: int, end: int, job_id: str | None = None,
                         evidence: tuple[list[int], list[int]] | None = None,
-                        user_lines: list[tuple[int, str]] | None = None) -> SessionOutcome:
+                        user_lines: list[tuple[int, str]] | None = None,
+                        before_commit: Callable[[], None] | None = None) -> SessionOutcome:
         """One session; `evidence` = the (face, voice) poll steps that belong to it (from the identity
         split; default: every poll in start..end); `user_lines` = the client transcript lines it owns
         (`assign_lines`; default: those in start..end). Ids derive from start/end only: re-runs agree."""
@@ -120,7 +122,7 @@ class MemoryManager:
             commit = SessionCommit(**base, provenance=self._prov(sid, ex_info, None), new_user_id=(
                 derived_id("user", sid) if (keys or _has_content(ex)) else None), name=plan.name,
                 name_reason=plan.name_reason, keys=keys, decisions=plan.decisions)
-            applied = self.store.commit_session(commit)  # False: another worker committed it meanwhile
+            applied = self._commit(commit, before_commit)  # False: another worker committed it meanwhile
             return SessionOutcome(sid, start, end, commit.new_user_id, "committed" if applied else "already_done",
                                   new_user=applied)
         for attempt in range(self.max_conflict_retries):
@@ -131,12 +133,17 @@ class MemoryManager:
                                    expected_version=profile.user.version, name=plan.name, name_reason=plan.name_reason,
                                    keys=self._keys(faces, voices, have), decisions=plan.decisions)
             try:
-                applied = self.store.commit_session(commit)
+                applied = self._commit(commit, before_commit)
                 return SessionOutcome(sid, start, end, user.user_id, "committed" if applied else "already_done")
             except VersionConflict as e:
                 log.info("session %s: %s; deciding again (%d)", sid, e, attempt + 1)
         raise VersionConflict(f"session {sid}: user {user.user_id} kept changing; gave up after "
                               f"{self.max_conflict_retries} tries (the job will be retried)")
+
+    def _commit(self, commit: SessionCommit, before_commit: Callable[[], None] | None) -> bool:
+        if before_commit is not None:
+            before_commit()
+        return self.store.commit_session(commit)
 
     def _keys(self, faces: np.ndarray, voices: np.ndarray, have: set[tuple[str, str]]) -> list[NewKey]:
         """One key per modality (the session's mean embedding) unless the user already has one of that model."""

@@ -171,21 +171,6 @@ class LeaseKeeper:
                             "its next commit", job_id, self.worker_id, self.lease_s)
 
 
-class _LeasedStore:
-    """The store as the manager sees it during one job: every commit first renews the job's lease,
-    so a worker whose lease was taken over commits nothing (the new holder re-runs the job)."""
-
-    def __init__(self, store: MemoryStore, lease: LeaseKeeper):
-        self._store, self._lease = store, lease
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def commit_session(self, m: Any) -> bool:
-        self._lease.check()
-        return self._store.commit_session(m)
-
-
 def process_next_job(manager: MemoryManager, cfg: Any, worker_id: str,
                      lease: LeaseKeeper | None = None) -> Job | None:
     """Claim one job, run it, complete or fail it. Returns the job as it ends, None if the queue is empty.
@@ -198,10 +183,9 @@ def process_next_job(manager: MemoryManager, cfg: Any, worker_id: str,
     lease = lease or LeaseKeeper(store, worker_id, m.job_lease_s)
     lease.hold(job.job_id)
     folder = Path((job.payload or {}).get("chunk_dir", ""))
-    manager.store = _LeasedStore(store, lease)
     try:
         chunk = StreamChunk.load(folder)
-        outcomes = manager.process_chunk(chunk, job.job_id, on_progress=lease.check)
+        outcomes = manager.process_chunk(chunk, job.job_id, before_commit=lease.check)
         result = {"sessions": [{"session_id": o.session_id, "start": o.start_step, "end": o.end_step,
                                 "status": o.status} for o in outcomes]}
         lease.release()
@@ -214,7 +198,6 @@ def process_next_job(manager: MemoryManager, cfg: Any, worker_id: str,
         log.error("job %s attempt %d failed: %s", job.job_id, job.attempts, e)
         store.fail_job(job.job_id, worker_id, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}", delay)
     finally:
-        manager.store = store
         lease.release()
         if own_lease:
             lease.close()

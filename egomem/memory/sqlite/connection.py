@@ -28,6 +28,17 @@ from egomem.memory.types import OpLogEntry, Provenance, User
 USER_COLS = "user_id, name, created_at, updated_at, version, merged_into"
 
 
+def where_equal(query: str, **columns: Any) -> tuple[str, list[Any]]:
+    """`query` (which ends in a WHERE clause) narrowed by `AND column = ?` for every given value
+    (None or "" leaves that column unfiltered); returns the query and its parameters."""
+    params: list[Any] = []
+    for column, value in columns.items():
+        if value:
+            query += f" AND {column} = ?"
+            params.append(value)
+    return query, params
+
+
 class Connections:
     """The base of `SQLiteMemoryStore`: opening, transactions, migrations, the op log, shared row helpers."""
 

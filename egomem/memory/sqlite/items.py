@@ -6,12 +6,11 @@ from __future__ import annotations
 import sqlite3
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 from egomem.memory import checks
 from egomem.memory import persona as persona_dims
 from egomem.memory.errors import StoreError
-from egomem.memory.sqlite.connection import USER_COLS
+from egomem.memory.sqlite.connection import USER_COLS, where_equal
 from egomem.memory.store import MANUAL
 from egomem.memory.types import (
     MemoryItem,
@@ -92,11 +91,8 @@ class Items:
         return self._items(self._conn(), user_id, kind, history)
 
     def _items(self, c: sqlite3.Connection, user_id: str, kind: str | None, history: bool) -> list[MemoryItem]:
-        q = f"SELECT {_ITEM_COLS} FROM memory_items WHERE user_id = ?"
-        params: list[Any] = [user_id]
-        if kind:
-            q += " AND kind = ?"
-            params.append(kind)
+        q, params = where_equal(f"SELECT {_ITEM_COLS} FROM memory_items WHERE user_id = ?", kind=kind)
+        params.insert(0, user_id)
         if not history:
             q += " AND invalid_at IS NULL"
         return [MemoryItem(*r) for r in c.execute(q + " ORDER BY valid_from, created_at, item_id", params)]

@@ -6,13 +6,12 @@ import json
 import sqlite3
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from egomem.memory import checks
 from egomem.memory.errors import StoreError
-from egomem.memory.sqlite.connection import USER_COLS
+from egomem.memory.sqlite.connection import USER_COLS, where_equal
 from egomem.memory.store import MANUAL
 from egomem.memory.types import UNKNOWN_USER, BiometricKey, Modality, Provenance, User
 
@@ -55,14 +54,14 @@ class People:
             c.execute("UPDATE users SET name = ? WHERE user_id = ?", (name, user_id))
             self._touch(c, user_id)
             self._log(c, "rename", prov, user_id, f"users:{user_id}", reason, detail={"old": old.name, "new": name})
-        return self.get_user(user_id)  # type: ignore[return-value]
+        return self.get_user(user_id)
 
     def merge_users(self, keep_id: str, drop_id: str, prov: Provenance = MANUAL, reason: str = "") -> User:
         if keep_id == drop_id:
             raise StoreError("cannot merge a user into itself")
         with self._write() as c:
             self._merge(c, keep_id, drop_id, prov, reason)
-        return self.get_user(keep_id)  # type: ignore[return-value]
+        return self.get_user(keep_id)
 
     def _merge(self, c: sqlite3.Connection, keep_id: str, drop_id: str, prov: Provenance, reason: str) -> None:
         keep = self._live_user(c, keep_id)
@@ -137,18 +136,10 @@ class People:
 
     def list_keys(self, modality: Modality | None = None, model_id: str | None = None,
                   user_id: str | None = None) -> list[BiometricKey]:
-        q = ("SELECT k.key_id, k.user_id, k.modality, k.model_id, k.vector, k.session_id, k.created_at "
-             "FROM biometric_keys k JOIN users u ON u.user_id = k.user_id WHERE u.merged_into IS NULL")
-        params: list[Any] = []
-        if user_id:
-            q += " AND k.user_id = ?"
-            params.append(user_id)
-        if modality:
-            q += " AND k.modality = ?"
-            params.append(modality)
-        if model_id:
-            q += " AND k.model_id = ?"
-            params.append(model_id)
+        q, params = where_equal(
+            "SELECT k.key_id, k.user_id, k.modality, k.model_id, k.vector, k.session_id, k.created_at "
+            "FROM biometric_keys k JOIN users u ON u.user_id = k.user_id WHERE u.merged_into IS NULL",
+            **{"k.user_id": user_id, "k.modality": modality, "k.model_id": model_id})
         rows = self._conn().execute(q + " ORDER BY k.created_at, k.key_id", params)
         return [BiometricKey(r[0], r[1], r[2], r[3], np.frombuffer(r[4], dtype="<f4").copy(), r[5], r[6]) for r in rows]
 

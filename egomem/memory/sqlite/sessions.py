@@ -12,6 +12,7 @@ import numpy as np
 
 from egomem.memory.commit import apply_session
 from egomem.memory.errors import ChunkRedacted
+from egomem.memory.sqlite.connection import where_equal
 from egomem.memory.types import (
     MemoryItem,
     PersonaUpdate,
@@ -33,13 +34,8 @@ class Sessions:
         return SessionRecord(*row) if row else None
 
     def list_sessions(self, user_id: str | None = None, stream_id: str | None = None) -> list[SessionRecord]:
-        q, params = f"SELECT {_SESSION_COLS} FROM sessions WHERE 1 = 1", []
-        if user_id:
-            q += " AND user_id = ?"
-            params.append(user_id)
-        if stream_id:
-            q += " AND stream_id = ?"
-            params.append(stream_id)
+        q, params = where_equal(f"SELECT {_SESSION_COLS} FROM sessions WHERE 1 = 1", user_id=user_id,
+                                stream_id=stream_id)
         rows = self._conn().execute(q + " ORDER BY stream_id, chunk_index, start_step", params)
         return [SessionRecord(*r) for r in rows]
 
