@@ -113,6 +113,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return run_doctor(load_config(args.config))
 
 
+# Jobs with their own parsers (module.main(argv)); imported only when run, so `egomem --help` stays light.
+JOBS = {
+    "train-trigger": ("egomem.trigger.train", "train the episodic trigger on synthetic streams (resumable)"),
+    "make-corpus": ("egomem.training.build",
+                    "synthesise MemChunk training data: people, relation graphs, dialogs, speech, masks"),
+    "finetune": ("egomem.training.finetune", "fine-tune a Moshi-format dialog model on MemChunk data (resumable)"),
+    "eval-dialog": ("egomem.training.eval_dialog",
+                    "evaluate how a dialog model uses its memory: Fact Score, query words, fps (paper Table 3)"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="egomem",
@@ -159,20 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.set_defaults(func=cmd_doctor)
 
-    # train-trigger owns its arguments (egomem.trigger.train); `egomem train-trigger --help` lists them.
-    p = sub.add_parser("train-trigger", help="train the episodic trigger on synthetic streams (resumable)",
-                       add_help=False)
-    p.set_defaults(func=None)
+    for name, (_, help_text) in JOBS.items():  # each job owns its arguments: `egomem <job> --help` lists them
+        sub.add_parser(name, help=help_text, add_help=False).set_defaults(func=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train-trigger"]:
-        from egomem.trigger.train import main as train_trigger
+    if argv[:1] and argv[0] in JOBS:
+        import importlib
 
-        return int(train_trigger(argv[1:]) or 0)
+        job = importlib.import_module(JOBS[argv[0]][0])
+        try:
+            return int(job.main(argv[1:]) or 0)
+        except ConfigError as e:
+            print(f"configuration error: {e}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

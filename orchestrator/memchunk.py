@@ -24,7 +24,7 @@ class MemChunk:
         self._waiting: collections.deque[Refresh] = collections.deque()
 
     def request(self, level: int, text: str, user_id: str | None) -> None:
-        if level == 1:  # a new L1 clears L2 in the engine: drop any L2 still waiting
+        if level == 1:  # a new L1 resets L2 to text pad in the engine: drop any L2 still waiting
             self._waiting = collections.deque(r for r in self._waiting if r.level != 2)
         self._waiting.append(Refresh(level, text, user_id, time.monotonic()))
 

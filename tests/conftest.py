@@ -70,3 +70,15 @@ def triton(tmp_path_factory) -> TritonFixture:
         yield TritonFixture(server)
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one torch intra-op thread avoids spin-wait contention on a shared 2-core box.
+    A test module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,4 +1,8 @@
-"""DialogEngine proofs: parity with moshi's LMGen, MemChunk semantics, long streams, slot isolation."""
+"""DialogEngine proofs: parity with moshi's LMGen, MemChunk layout and semantics, long streams, slot isolation.
+
+With no MemChunk region (l1_steps = l2_steps = 0) the engine is moshi's `LMGen`; with one, every stream
+attends a full L1 and L2 (text pad when empty) before its dialog, as a full-sequence forward over
+`[L1 ; L2 ; dialog]` does (tests/test_training_parity.py: the same against the training forward)."""
 
 from __future__ import annotations
 
@@ -17,13 +21,7 @@ TINY = dict(dim=64, num_heads=2, num_layers=2, card=32, text_card=40, context=32
 N_LISTEN = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids spin-wait contention on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +49,7 @@ def test_greedy_parity_with_lmgen(lm):
     steps, starts = 48, [0, 3, 7]  # 48 > ring (32): the ring wraps too
     codes = [_codes(10 + i, steps) for i in range(3)]
     want = [_lmgen_outputs(lm, c) for c in codes]
-    eng = DialogEngine(lm, max_streams=4, l1_steps=8, l2_steps=4, ring_steps=TINY["context"])
+    eng = DialogEngine(lm, max_streams=4, l1_steps=0, l2_steps=0, ring_steps=TINY["context"])  # no chunk: LMGen
     slots: list[int | None] = [None] * 3
     got: list[list[torch.Tensor]] = [[], [], []]
     done = [0, 0, 0]
@@ -78,19 +76,23 @@ def _chunk_inputs(lm, tokens: list[int], n: int) -> torch.Tensor:
     return chunk  # [K, n]
 
 
-@pytest.mark.parametrize("levels", ["l1", "l1+l2", "l2"])
+def _slot_kv(eng, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of everything a slot holds: K and V over its chunk region and ring."""
+    return eng.cache.k[:, slot].clone(), eng.cache.v[:, slot].clone()
+
+
+@pytest.mark.parametrize("levels", ["none", "l1", "l1+l2", "l2"])
 def test_memchunk_logits_equal_full_sequence_forward(lm, levels):
+    """Both chunks are always attended at full length: an unwritten one is text pad, at its own positions."""
     n1, n2, steps = 12, 6, 14
     eng = DialogEngine(lm, max_streams=3, l1_steps=n1, l2_steps=n2, ring_steps=TINY["context"])
     neighbour, slot = eng.open(), eng.open()
-    l1, l2 = [5, 6, 7, 8, 9], [11, 12, 13]
-    prefix = []
-    if "l1" in levels:
+    l1 = [5, 6, 7, 8, 9] if "l1" in levels else []
+    l2 = [11, 12, 13] if "l2" in levels else []
+    if l1:
         eng.write_memchunk(slot, 1, l1)
-        prefix.append(_chunk_inputs(lm, l1, n1))
-    if "l2" in levels:
+    if l2:
         eng.write_memchunk(slot, 2, l2)
-        prefix.append(_chunk_inputs(lm, l2, n2))
     eng.write_memchunk(neighbour, 1, [1, 2, 3])
     codes = _codes(3, steps)
     fed, logits = [], []
@@ -98,35 +100,80 @@ def test_memchunk_logits_equal_full_sequence_forward(lm, levels):
         _, _, lg = eng.step([neighbour, slot], torch.stack([codes[(t + 5) % steps], codes[t]]), return_logits=True)
         fed.append(eng.last_inputs[1])  # [K, 1]
         logits.append(lg[1])
-    seq = torch.cat(prefix + fed, dim=1)[None]  # [1, K, chunk + steps]: [L1 ; L2 ; dialog]
+    seq = torch.cat([_chunk_inputs(lm, l1, n1), _chunk_inputs(lm, l2, n2)] + fed, dim=1)[None]  # [L1 ; L2 ; dialog]
     with torch.no_grad(), no_compile():
         _, ref = lm.forward_text(seq)  # plain full-sequence forward, teacher-forced
-    c = seq.shape[2] - steps
-    torch.testing.assert_close(torch.stack(logits), ref[0, 0, c:], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(torch.stack(logits), ref[0, 0, n1 + n2:], atol=2e-5, rtol=2e-5)
 
 
-def test_memchunk_changes_output_and_l1_clears_l2(lm):
+def test_open_copies_the_empty_chunks(lm):
+    """open() gives exactly the chunk K/V an explicit empty L1 write computes, for any slot, reused or not."""
+    eng = DialogEngine(lm, max_streams=2, l1_steps=8, l2_steps=4, ring_steps=16)
+    a, b = eng.open(), eng.open()
+    eng.write_memchunk(a, 1, [20, 21])
+    eng.write_memchunk(a, 2, [30])
+    eng.close(a)
+    a = eng.open()  # reused: the old chunks must be gone
+    eng.write_memchunk(b, 1, [])
+    c = 8 + 4
+    assert torch.equal(eng.cache.k[:, a, :, :c], eng.cache.k[:, b, :, :c])
+    assert torch.equal(eng.cache.v[:, a, :, :c], eng.cache.v[:, b, :, :c])
+    assert eng.cache.k[:, a, :, :c].abs().sum() > 0  # pads are computed K/V, not zeros
+    bare = DialogEngine(lm, max_streams=1, l1_steps=0, l2_steps=0, ring_steps=16)
+    s = bare.open()
+    _, _, lg_pads = eng.step([a], _codes(1, 1), return_logits=True)
+    _, _, lg_bare = bare.step([s], _codes(1, 1), return_logits=True)
+    assert (lg_pads - lg_bare).abs().max() > 1e-3  # the empty chunks are attended
+
+
+def test_memchunk_changes_output_and_l1_resets_l2(lm):
     eng = DialogEngine(lm, max_streams=2, l1_steps=8, l2_steps=4, ring_steps=16)
     a, b = eng.open(), eng.open()
     eng.write_memchunk(b, 1, [20, 21, 22])
+    l2_pads_after_l1 = _slot_kv(eng, b)
     eng.write_memchunk(b, 2, [30])
-    assert (eng.cache.l1_len[b], eng.cache.l2_len[b]) == (8, 4)  # full length: tokens then text-pad
+    l2_written = _slot_kv(eng, b)
+    assert torch.equal(l2_written[0][:, :, :8], l2_pads_after_l1[0][:, :, :8])  # an L2 write leaves L1
+    assert not torch.equal(l2_written[0][:, :, 8:12], l2_pads_after_l1[0][:, :, 8:12])
     _, _, lg = eng.step([a, b], _codes(1, 1).expand(2, -1), return_logits=True)
     assert (lg[0] - lg[1]).abs().max() > 1e-3  # the chunk is attended
     eng.write_memchunk(b, 1, [23])
-    assert (eng.cache.l1_len[b], eng.cache.l2_len[b]) == (8, 0)
+    ref = DialogEngine(lm, max_streams=1, l1_steps=8, l2_steps=4, ring_steps=16)
+    r = ref.open()
+    ref.write_memchunk(r, 1, [23])
+    for got, want in zip(_slot_kv(eng, b), _slot_kv(ref, r)):  # L2 is pads again, attending the new L1
+        assert torch.equal(got[:, :, :12], want[:, :, :12])
+
+
+def test_l2_without_l1_attends_the_empty_l1(lm):
+    """An L2 written before any L1 sits at N1 .. N1 + N2 - 1 after the pad L1, as in training."""
+    eng = DialogEngine(lm, max_streams=1, l1_steps=8, l2_steps=4, ring_steps=16)
+    s = eng.open()
+    empty = _slot_kv(eng, s)
+    eng.write_memchunk(s, 2, [30, 31])
+    got = _slot_kv(eng, s)
+    assert torch.equal(got[0][:, :, :8], empty[0][:, :, :8])  # L1 stays the pad chunk
+    ref = DialogEngine(lm, max_streams=1, l1_steps=8, l2_steps=4, ring_steps=16)
+    seq = torch.cat([_chunk_inputs(lm, [], 8), _chunk_inputs(lm, [30, 31], 4)], dim=1)[None]  # [1, K, 12]
+    k, _ = ref._chunk_kv(seq, 0)  # the 12 steps as one causal pass from position 0
+    torch.testing.assert_close(got[0][:, :, 8:12], k[:, :, 8:12], atol=1e-5, rtol=1e-5)
 
 
 def test_memchunk_refuses_bad_tokens(lm):
     eng = DialogEngine(lm, max_streams=1, l1_steps=8, l2_steps=4, ring_steps=16)
     s = eng.open()
+    eng.write_memchunk(s, 1, [5, 6])
+    before = _slot_kv(eng, s)
     with pytest.raises(ValueError, match="holds 4 steps"):
         eng.write_memchunk(s, 2, list(range(5)))
     with pytest.raises(ValueError, match="level must be 1"):
         eng.write_memchunk(s, 3, [1])
     with pytest.raises(ValueError, match=r"\[0, 40\)"):
         eng.write_memchunk(s, 1, [40])
-    assert eng.cache.l2_len[s] == 0 and eng.cache.l1_len[s] == 0
+    with pytest.raises(ValueError, match="holds 8 steps"):
+        eng.write_memchunk(s, 1, list(range(9)))
+    for got, want in zip(_slot_kv(eng, s), before):
+        assert torch.equal(got, want)
 
 
 def test_long_stream_keeps_chunk_at_virtual_positions(lm):
@@ -255,7 +302,7 @@ def test_grouped_kv_heads_parity_with_lmgen():
     lm = build_lm("tiny", seed=2, **(TINY | dict(kv_repeat=2)))
     codes = _codes(5, 12)
     want = _lmgen_outputs(lm, codes)
-    eng = DialogEngine(lm, max_streams=1, l1_steps=4, l2_steps=4, ring_steps=TINY["context"])
+    eng = DialogEngine(lm, max_streams=1, l1_steps=0, l2_steps=0, ring_steps=TINY["context"])
     s = eng.open()
     got = [torch.cat([t, a[0]]) for t, a in (eng.step([s], codes[i:i + 1]) for i in range(12))][eng.max_delay:]
     assert torch.equal(torch.stack(got), want)

@@ -41,7 +41,9 @@ def test_pool_serves_refreshes_and_frees(pool):
     res = pool.serve([DialogRequest(1, listen=listen(3), memchunk_level=1, memchunk_text="Ada likes tea"),
                       DialogRequest(2, listen=listen(4), end=True)])
     assert all(isinstance(r, DialogResult) for r in res) and res[0].speak_codes.shape == (8,)
-    assert pool.engine.cache.l1_len[slot] == 16 and not pool.is_open(2)
+    empty_k = pool.engine.empty_chunks[0]  # [L, Hkv, 16 + 8, D]: what open() put in the slot
+    assert not torch.equal(pool.engine.cache.k[:, slot, :, :16], empty_k[:, :, :16])  # the refresh wrote L1
+    assert not pool.is_open(2)
     res = pool.serve([DialogRequest(3, start=True, listen=listen(5))])  # END freed a slot
     assert isinstance(res[0], DialogResult) and res[0].step == 1
 

@@ -371,3 +371,23 @@ def test_profile_rendering_and_neighbour_memories(tmp_path):
     assert [(x.name, x.relation, x.inverse, x.items) for x in n] == [("Bo", "brother", False, ["is a pilot"])]
     back = s.neighbour_memories(bo.user_id)
     assert back[0].name == "Ada" and back[0].inverse is True and "lives in Paris" in back[0].items
+
+
+def test_store_opens_a_new_database_while_another_process_writes_to_it(tmp_path):
+    """A worker and an orchestrator opening the same new file together: switching it to WAL needs the file to
+    itself and SQLite refuses that at once (no busy wait) while another connection holds its write lock; the
+    store retries for its busy timeout instead of failing the open."""
+    path = tmp_path / "new.sqlite3"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)  # still a rollback journal
+    other.execute("CREATE TABLE t (x)")
+    other.execute("BEGIN IMMEDIATE")
+    other.execute("INSERT INTO t VALUES (1)")
+    release = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+    release.start()
+    store = SQLiteMemoryStore(path)
+    release.join()
+    assert store.create_user("Ada").name == "Ada"
+    other.close()
+    fresh = sqlite3.connect(path)
+    assert fresh.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    fresh.close()

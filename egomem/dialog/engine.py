@@ -7,9 +7,12 @@ for the 8 speak codebooks (moshi's depformer maths, without its per-tick streami
 delays are handled exactly as `moshi.models.lm.LMGen` does, per slot. Weights are the LMModel's own
 modules, never copied; greedy outputs equal LMGen's (tests/test_dialog_engine.py).
 
-`write_memchunk(slot, level, text_tokens)` refreshes a MemChunk: one forward pass over the chunk's
-steps for that slot (L2 attends to L1); keys are kept at their positions inside the chunk and rotated on
-to the chunk's virtual positions at read time (docs/kv-cache.md#positions-rotate-on-read, kv_cache.py).
+Every stream always attends a full L1 (N1 steps) and a full L2 (N2 steps) before its dialog, as the
+paper trains (§4.1): an empty chunk is text pad and still attended. `open()` copies the empty chunks' K/V
+(computed once) into the slot; `write_memchunk(slot, level, text_tokens)` refreshes one: one forward pass
+for that slot (L1 together with L2 reset to pads; L2 attending the slot's L1). Chunk keys are kept at
+their positions inside the chunk region and rotated on to the chunk's virtual positions at read time
+(docs/kv-cache.md#positions-rotate-on-read, kv_cache.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,21 @@ from moshi.utils.sampling import sample_token
 from egomem.kernels import Impl, rope_rotate
 
 from .kv_cache import MemChunkKVCache
+
+
+def memchunk_inputs(lm: LMModel, tokens: list[int] | torch.Tensor, steps: int, audio_token: int | None = None
+                    ) -> torch.Tensor:
+    """One MemChunk as model input `[K, steps]`: text row = the tokens then text pad; all audio rows =
+    `audio_token` (default Moshi's audio initial token). Serving writes chunks from it and training
+    (`egomem.training.forward`) builds its samples' chunk steps from it: one layout in both."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
+    if tokens.numel() > steps:
+        raise ValueError(f"a {steps}-step MemChunk cannot hold {tokens.numel()} tokens")
+    rows = torch.full((lm.num_codebooks, steps), lm.initial_token_id if audio_token is None else audio_token,
+                      dtype=torch.long)
+    rows[0] = lm.text_padding_token_id
+    rows[0, :tokens.numel()] = tokens
+    return rows
 
 
 class NoFreeSlotError(RuntimeError):
@@ -82,16 +100,23 @@ class DialogEngine:
         self.initial = lm._get_initial_token()  # [1, K, 1]
         self.free = list(range(max_streams))[::-1]
         self.active: set[int] = set()
+        # K/V of an empty L1 followed by an empty L2 (all text pad): the same for every slot, so computed
+        # once here and copied into each slot by open(). Assumes the model's weights no longer change.
+        n_chunk = self.cache.n1 + self.cache.n2
+        self.empty_chunks = self._chunk_kv(self._chunk_inputs(torch.zeros(0, dtype=torch.long), n_chunk), 0) \
+            if n_chunk else None  # [L, Hkv, N1 + N2, D] K and V
 
     # ---------------------------------------------------------------- slots
 
     def open(self) -> int:
-        """Claim a free slot, reset to an empty stream with empty MemChunks."""
+        """Claim a free slot, reset to an empty stream whose L1 and L2 are empty (text pad, attended)."""
         if not self.free:
             raise NoFreeSlotError(
                 f"no free stream slot: all {self.max_streams} are in use; close one or raise max_streams")
         slot = self.free.pop()
         self.cache.reset(slot)
+        if self.empty_chunks is not None:
+            self.cache.write_chunk(slot, 0, *self.empty_chunks)
         self.tokens[slot] = self.lm.ungenerated_token_id
         self.active.add(slot)
         return slot
@@ -137,50 +162,61 @@ class DialogEngine:
 
     # ---------------------------------------------------------------- memchunks
 
+    def _chunk_inputs(self, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        """MemChunk steps as model input `[1, K, steps]` (`memchunk_inputs`)."""
+        return memchunk_inputs(self.lm, tokens, steps, self.chunk_audio_token).to(self.device)[None]
+
+    @torch.no_grad()
+    def _chunk_kv(self, inputs: torch.Tensor, start: int, slot: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V `[L, Hkv, n, D]` of chunk steps `inputs` `[1, K, n]` at chunk positions start .. start + n - 1,
+        causal, attending to `slot`'s stored chunk steps 0 .. start - 1 as a prefix (an L2 refresh reads L1)."""
+        assert start in (0, self.cache.n1) and (slot is not None or not start), (slot, start)
+        n = inputs.shape[2]
+        with no_compile():
+            x = self._embed(inputs)  # [1, n, C]
+            pos = torch.arange(start, start + n, device=self.device)  # positions inside the chunk region
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)  # [n, start + n]
+            ks, vs = [], []
+            for li, layer in enumerate(self.lm.transformer.layers):
+                q, k, v = self._qkv(layer, x)  # [1, H|Hkv, n, D]
+                q = rope_rotate(q, pos, self.max_period, self.interleave)
+                k = rope_rotate(k, pos, self.max_period, self.interleave)
+                ks.append(k[0]), vs.append(v[0])  # stored at chunk positions, see kv_cache.py
+                if start:
+                    pk, pv = self.cache.l1_kv(slot, li)  # [Hkv, n1, D]
+                    k = torch.cat([pk[None].to(k), k], dim=2)  # [1, Hkv, n1 + n, D]
+                    v = torch.cat([pv[None].to(v), v], dim=2)
+                attn = self._sdpa(q, k, v, mask)  # [1, H, n, D]
+                x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(1, n, -1))
+        return torch.stack(ks), torch.stack(vs)  # [L, Hkv, n, D]
+
     @torch.no_grad()
     def write_memchunk(self, slot: int, level: Literal[1, 2], text_tokens: list[int] | torch.Tensor) -> None:
         """Refresh a slot's L1 (profile) or L2 (retrieved facts) MemChunk from text tokens.
 
-        The chunk is always full length: the tokens, then text-pad; its audio rows are the empty token.
-        Writing L1 clears L2 (a new person makes the old retrieval stale). The dialog ring is kept.
+        The chunk is always full length: the tokens, then text pad; its audio rows are `chunk_audio_token`.
+        L1 is written with L2 reset to pads (a new person makes the old retrieval stale): one pass over
+        N1 + N2 steps, L2 attending the new L1. L2 sits at N1 .. N1 + N2 - 1 and attends the slot's current
+        L1 (pads or written). The dialog ring is kept. Bad input raises before anything is written.
         """
         self._check_slot(slot)
         if level not in (1, 2):
             raise ValueError(f"MemChunk level must be 1 (profile) or 2 (retrieved facts), got {level!r}")
-        cap = self.cache.n1 if level == 1 else self.cache.n2
+        n1, n2 = self.cache.n1, self.cache.n2
+        cap = n1 if level == 1 else n2
         tokens = torch.as_tensor(text_tokens, dtype=torch.long).flatten()
         if tokens.numel() > cap:
             raise ValueError(f"level-{level} MemChunk holds {cap} steps; got {tokens.numel()} tokens: "
                              f"truncate or summarise the memory text first")
-        lm = self.lm
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= lm.text_card):
-            raise ValueError(f"MemChunk text tokens must be in [0, {lm.text_card}), got {tokens.min()}..{tokens.max()}")
-        if cap == 0:
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.lm.text_card):
+            raise ValueError(f"MemChunk text tokens must be in [0, {self.lm.text_card}), "
+                             f"got {tokens.min()}..{tokens.max()}")
+        start, steps = (0, n1 + n2) if level == 1 else (n1, n2)
+        if steps == 0:
             return
-        inputs = torch.full((1, lm.num_codebooks, cap), self.chunk_audio_token, dtype=torch.long, device=self.device)
-        inputs[0, 0] = lm.text_padding_token_id
-        inputs[0, 0, :tokens.numel()] = tokens.to(self.device)
-        if level == 1:
-            self.cache.l2_len[slot] = 0  # L1 refresh: L2 is cleared and not attended
-            self.cache.l1_len[slot] = 0
-        prefix_len = self.cache.l1_len[slot] if level == 2 else 0
-        with torch.no_grad(), no_compile():
-            x = self._embed(inputs)  # [1, cap, C]
-            pos = torch.arange(prefix_len, prefix_len + cap, device=self.device)  # positions inside the chunk
-            ks, vs = [], []
-            for li, layer in enumerate(lm.transformer.layers):
-                q, k, v = self._qkv(layer, x)  # [1, H|Hkv, cap, D]
-                q = rope_rotate(q, pos, self.max_period, self.interleave)
-                k = rope_rotate(k, pos, self.max_period, self.interleave)
-                ks.append(k[0]), vs.append(v[0])  # stored at chunk-internal positions, see kv_cache.py
-                if prefix_len:  # L2 attends to L1 (already stored at positions 0..prefix_len - 1)
-                    pk, pv = self.cache.chunk_kv(slot, li, 1)  # [Hkv, prefix, D]
-                    k = torch.cat([pk[None].to(k), k], dim=2)  # [1, Hkv, prefix + cap, D]
-                    v = torch.cat([pv[None].to(v), v], dim=2)
-                mask = torch.ones(cap, prefix_len + cap, dtype=torch.bool, device=self.device).tril(prefix_len)
-                attn = self._sdpa(q, k, v, mask)  # [1, H, cap, D]
-                x = self._finish_layer(layer, x, attn.transpose(1, 2).reshape(1, cap, -1))
-            self.cache.write_chunk(slot, level, torch.stack(ks), torch.stack(vs))  # [L, Hkv, cap, D]
+        k, v = self._chunk_kv(self._chunk_inputs(tokens, steps), start, slot)
+        self.cache.write_chunk(slot, start, k, v)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Full attention q [B, H, T, D] over k/v [B, Hkv, T', D] with a bool mask [T, T']."""

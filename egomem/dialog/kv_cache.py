@@ -1,16 +1,18 @@
 """The MemChunk KV cache: per layer and slot, time laid out as `[ L1 (N1) | L2 (N2) | dialog ring (W) ]`.
 
-Buffers are allocated once at full shape (gpt-fast style) and written by index. Chunk keys are stored
-rotated only to their position inside the chunk (L1 step j at j, L2 step j at l1_len + j): they do not
-depend on the dialog, and `decode_attention` rotates the chunk on to its virtual positions at read time
-(one rotation of the query per row, the same maths as rotating each stored key). Ring keys are stored
-rotated at their real dialog position. Per slot we track how much of L1/L2 is valid and how many
-dialog steps were written; the ring keeps the last W of them (ring index `step % W`).
+Buffers are allocated once at full shape (gpt-fast style) and written by index. Both MemChunks are always
+full and always attended (paper §4.1: an empty chunk is text pad, still attended), so the only per-slot
+state is how many dialog steps were written; the ring keeps the last W of them (ring index `step % W`).
+Chunk keys are stored rotated only to their position inside the chunk region (L1 step j at j, L2 step j
+at N1 + j): they do not depend on the dialog, and `decode_attention` rotates the chunk on to its virtual
+positions at read time (one rotation of the query per row, the same maths as rotating each stored key).
+Ring keys are stored rotated at their real dialog position.
 
 Position rule (docs/kv-cache.md#positions-rotate-on-read): after writing dialog step t, the ring holds steps
-max(0, t + 1 - W) .. t, and the valid chunk (c = l1_len + l2_len steps) sits at virtual positions
-`oldest - c .. oldest - 1`, right before the oldest ring step. Dialog step t has position t, so while
-t < W the layout is the training one (chunk then dialog) shifted by a constant, which RoPE ignores.
+max(0, t + 1 - W) .. t, and the chunk (N1 + N2 steps) sits at virtual positions `oldest - N1 - N2 ..
+oldest - 1`, right before the oldest ring step. Dialog step t has position t, so while t < W the layout is
+the training one (L1 at 0..N1-1, L2 at N1..N1+N2-1, dialog from N1+N2) shifted by a constant, which RoPE
+ignores.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _kernels():
 
 
 class MemChunkKVCache:
-    """K/V buffers `[L, S, Hkv, N1 + N2 + W, D]` plus per-slot valid lengths (host ints: no syncs)."""
+    """K/V buffers `[L, S, Hkv, N1 + N2 + W, D]` plus per-slot dialog step counts (host ints: no syncs)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  n1: int, n2: int, ring: int, device: torch.device, dtype: torch.dtype, impl: Impl = "auto"):
@@ -40,8 +42,6 @@ class MemChunkKVCache:
         shape = (num_layers, num_slots, num_kv_heads, n1 + n2 + ring, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.l1_len = [0] * num_slots
-        self.l2_len = [0] * num_slots
         self.steps = [0] * num_slots  # dialog steps written so far
 
     @property
@@ -49,39 +49,35 @@ class MemChunkKVCache:
         return self.k.device
 
     def reset(self, slot: int) -> None:
-        """Forget a slot's chunks and dialog (buffers are left as they are: lengths gate every read)."""
-        self.l1_len[slot] = self.l2_len[slot] = self.steps[slot] = 0
+        """Forget a slot's dialog (its ring is gated by `steps`; the chunk region is rewritten by the engine)."""
+        self.steps[slot] = 0
 
-    def write_chunk(self, slot: int, level: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store chunk K/V `[L, Hkv, n, D]` (keys at chunk-internal positions) for `slot`; L1 clears L2."""
+    def write_chunk(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store chunk K/V `[L, Hkv, n, D]` (keys at chunk-region positions) at chunk steps `start .. start+n-1`
+        of `slot` (0 = L1, N1 = L2; L1 and L2 together are one write of N1 + N2 steps at 0)."""
         n = k.shape[2]
-        cap = self.n1 if level == 1 else self.n2
-        assert n <= cap, f"level-{level} chunk of {n} steps exceeds its {cap}-step region"
+        assert 0 <= start and start + n <= self.n1 + self.n2, \
+            f"chunk steps [{start}, {start + n}) exceed the {self.n1 + self.n2}-step MemChunk region"
         _, memchunk_write = _kernels()
-        memchunk_write(k, v, self.k, self.v, slot, 0 if level == 1 else self.n1, impl=self.impl)
-        if level == 1:
-            self.l1_len[slot], self.l2_len[slot] = n, 0
-        else:
-            self.l2_len[slot] = n
+        memchunk_write(k, v, self.k, self.v, slot, start, impl=self.impl)
 
-    def chunk_kv(self, slot: int, layer: int, level: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A slot's valid chunk K and V `[Hkv, n, D]` at `layer` (used by the L2 refresh pass)."""
-        start, n = (0, self.l1_len[slot]) if level == 1 else (self.n1, self.l2_len[slot])
-        return self.k[layer, slot, :, start:start + n], self.v[layer, slot, :, start:start + n]
+    def l1_kv(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's L1 K and V `[Hkv, N1, D]` at `layer` (the prefix an L2 refresh attends to)."""
+        return self.k[layer, slot, :, :self.n1], self.v[layer, slot, :, :self.n1]
 
     def step_meta(self, slots: list[int]) -> dict[str, torch.Tensor]:
-        """Per-row metadata of one tick in which each slot writes its next dialog step."""
+        """Per-row metadata of one tick in which each slot writes its next dialog step.
+
+        The kernels take per-row chunk lengths (`l1_len`, `l2_len`); here they are always N1 and N2."""
         steps = [self.steps[s] for s in slots]
-        oldest = [max(0, t + 1 - self.ring) for t in steps]
-        chunk = [self.l1_len[s] + self.l2_len[s] for s in slots]
         rows = {
             "slots": slots,
             "pos": steps,  # position of this tick's query and new key
             "ring_idx": [self.n1 + self.n2 + t % self.ring for t in steps],
             "ring_len": [min(t + 1, self.ring) for t in steps],
-            "l1_len": [self.l1_len[s] for s in slots],
-            "l2_len": [self.l2_len[s] for s in slots],
-            "chunk_pos0": [o - c for o, c in zip(oldest, chunk)],
+            "l1_len": [self.n1] * len(slots),
+            "l2_len": [self.n2] * len(slots),
+            "chunk_pos0": [max(0, t + 1 - self.ring) - (self.n1 + self.n2) for t in steps],  # oldest - chunk
         }
         packed = torch.tensor(list(rows.values()), dtype=torch.int64, device=self.device)  # [7, B]: one copy
         return dict(zip(rows, packed.unbind(0)))

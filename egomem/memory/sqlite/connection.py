@@ -70,7 +70,7 @@ class Connections:
             c = sqlite3.connect(self.path, timeout=self._busy_ms / 1000, isolation_level=None,
                                 check_same_thread=False)
             c.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
-            c.execute("PRAGMA journal_mode = WAL")
+            self._enable_wal(c)
             c.execute(f"PRAGMA synchronous = {self._sync}")
             c.execute("PRAGMA foreign_keys = ON")
             c.execute("PRAGMA secure_delete = ON")  # deleted rows are zeroed, not left in free pages
@@ -78,6 +78,20 @@ class Connections:
             with self._all_lock:
                 self._all.append(c)
         return c
+
+    def _enable_wal(self, c: sqlite3.Connection) -> None:
+        """Switch a new database to WAL. The switch needs the database to itself and SQLite may refuse it at
+        once, without its busy handler, while another process opens the same new file (a worker and an
+        orchestrator starting together): retry for the busy timeout instead of failing the open."""
+        deadline = time.monotonic() + self._busy_ms / 1000
+        while True:
+            try:
+                c.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if not ("locked" in str(e) or "busy" in str(e)) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:

@@ -1,0 +1,135 @@
+"""Benchmark issue #13: fine-tune the tiny preset on Level-1 MemChunk data on CPU, then Fact Score on
+held-out people (names, relations, facts and voices never seen in training).
+
+One run, three models on the same held-out streams, clean and noised (paper Table 3). Training data is
+Level 1 (the issue's run); the held-out set has Level-1 and Level-2 dialogs, so the report also says how
+far an L1-trained model gets on Level 2 (query words, Fact Score):
+  - finetuned:                   the tiny preset after `egomem finetune`;
+  - finetuned, empty MemChunks:  the same weights, nothing written to L1/L2 (does it *use* the memory?);
+  - before fine-tuning:          the preset's seeded random init, the weights finetune started from.
+Every stage runs through the product's own commands (`egomem make-corpus`, `egomem finetune`,
+`egomem eval-dialog --judge rules`), in this order, each timed:
+
+    python bench/bench_finetune.py                    # the issue's run (fine-tuning <= 30 min on 2 cores)
+    python bench/bench_finetune.py --steps 20 --train-households 10 --heldout-households 2   # a smoke run
+
+Writes bench/results/bench_finetune.json (+ .png: the loss curve and Fact Score per model) and keeps the
+datasets and the run folder under --work (delete it to start again; an existing run is resumed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def egomem(*args: str) -> float:
+    """Run one `egomem` job in a child process (as a user would); its wall time in seconds."""
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "egomem.cli", *args]
+    print("$ egomem " + " ".join(args), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_finetune")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "bench_finetune.json")
+    p.add_argument("--train-households", type=int, default=400)
+    p.add_argument("--heldout-households", type=int, default=16)
+    p.add_argument("--steps", type=int, default=1400)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dialog-steps", type=int, default=192, help="longest dialog context per sample")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--served-fps", action="store_true", help="also time dialog_lm on a real tritonserver")
+    args = p.parse_args()
+    w = args.work
+    w.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    train, heldout, run = w / "train", w / "heldout", w / "run"
+    if not (train / "manifest.json").exists():
+        times["make_corpus_train_s"] = egomem("make-corpus", "--out", str(train), "--households",
+                                              str(args.train_households), "--split", "train", "--seed",
+                                              str(args.seed), "--levels", "1", "--generator", "template")
+    if not (heldout / "manifest.json").exists():
+        times["make_corpus_heldout_s"] = egomem("make-corpus", "--out", str(heldout), "--households",
+                                                str(args.heldout_households), "--split", "heldout", "--seed",
+                                                str(args.seed + 1), "--levels", "1,2", "--generator", "template")
+    if not (run / "lm.safetensors").exists():
+        resume = ["--resume"] if (run / "ckpt").exists() else []
+        times["finetune_s"] = egomem("finetune", "--data", str(train), "--out", str(run), "--steps", str(args.steps),
+                                     "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed",
+                                     str(args.seed), "--dialog-steps", str(args.dialog_steps), "--threads",
+                                     str(args.threads), "--eval-data", str(heldout), "--eval-every", "100", *resume)
+    eval_json = w / "eval_dialog.json"
+    times["eval_dialog_s"] = egomem("eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"),
+                                    "--name", "finetuned", "--peer-empty", "--peer", "before fine-tuning=random",
+                                    "--judge", "rules", "--out", str(eval_json), "--seed", str(args.seed),
+                                    *(["--served-fps"] if args.served_fps else []))
+    card = json.loads((run / "model_card.json").read_text())
+    report = json.loads(eval_json.read_text())
+    losses = [json.loads(x) for x in (run / "loss.jsonl").read_text().splitlines() if x.strip()]
+    result = {
+        "what": "tiny preset fine-tuned on Level-1 MemChunk data (CPU), Fact Score on held-out people",
+        "command": "python bench/bench_finetune.py " + " ".join(sys.argv[1:]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "times_s": times,
+        "train_card": card,
+        "eval": report,
+        "summary": {m["name"]: {c: {"l1_fact_score": m[c]["l1"]["fact_score"], "n": m[c]["l1"]["n"],
+                                    "greetings": m[c]["l1"]["greetings"], "answers": m[c]["l1"]["answers"],
+                                    "l2_fact_score": m[c]["l2"]["fact_score"], "l2_n": m[c]["l2"]["n"],
+                                    "l2_query": m[c]["l2"]["query"]}
+                                for c in report["conditions"]} for m in report["models"]},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result, losses, args.out.with_suffix(".png"))
+    print(json.dumps(result["summary"], indent=1))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+def plot(result: dict, losses: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for kind, style in (("train", "-"), ("eval", "o-")):
+        pts = [(r["step"], r["loss"]) for r in losses if r.get("kind", "train") == kind and "loss" in r]
+        if pts:
+            a.plot(*zip(*pts), style, label=f"{kind} masked loss", ms=3)
+    a.set_xlabel("step")
+    a.set_ylabel("masked loss (text + speak)")
+    a.legend()
+    a.set_title(f"finetune ({result['times_s'].get('finetune_s', float('nan')) / 60:.1f} min)")
+    names = list(result["summary"])
+    conds = result["eval"]["conditions"]
+    width = 0.8 / (2 * len(conds))
+    for i, c in enumerate(conds):
+        for j, part in enumerate(("greetings", "answers")):
+            vals = [result["summary"][n][c][part]["fact_score"] or 0.0 for n in names]
+            xs = [k + (2 * i + j - len(conds) + 0.5) * width for k in range(len(names))]
+            b.bar(xs, vals, width, label=f"{c}, {part}")
+    b.axhline(0.85, ls="--", c="k", lw=0.8)
+    b.set_xticks(range(len(names)), names, fontsize=8)
+    b.set_ylim(0, 1)
+    b.set_ylabel("Level-1 Fact Score (held-out people)")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

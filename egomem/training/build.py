@@ -1,0 +1,76 @@
+"""`egomem make-corpus`: the training corpus (paper §4.1) written as an `egomem-memchunk-v1` dataset.
+
+People and relation graphs come from the seeded template generator; dialogs from the template
+generator (offline default) or, with `--generator llm` (or `auto` and an `[llm]` endpoint with a
+key), from the configured LLM. Then streams (eSpeak NG user speech as codes of the configured Mimi),
+masks and samples go to disk (egomem/training/dataset.py, docs/training.md#formats).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from egomem.config import load_config
+from egomem.dialog.tokenizer import load_tokenizer
+from egomem.trigger.codec import build_codec
+
+from .corpus import GENERATOR, make_corpus
+from .corpus_llm import configured_client, make_llm_corpus
+from .dataset import build_dataset
+from .memory_text import MemoryTexts
+
+
+def add_build_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, required=True, help="dataset folder to create (must not exist)")
+    p.add_argument("--households", type=int, default=200, help="households (a main user + 3-5 related people)")
+    p.add_argument("--split", choices=("train", "heldout"), default="train",
+                   help="which pools people, relations, facts and voices come from (held-out never meets train)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generator", choices=("auto", "template", "llm"), default="auto",
+                   help="who writes the dialogs; auto = the [llm] endpoint when its key is set, else templates")
+    p.add_argument("--levels", default="0,1,2", help="dialog levels to keep: 0 general, 1 profile, 2 relation graph")
+    p.add_argument("--dialogs-per-stream", default="2,4", help="min,max dialogs concatenated into one stream")
+    p.add_argument("--no-noised", action="store_true", help="skip the noised copy of each stream")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the codec (1 is fastest on small CPUs)")
+
+
+def run_build(args: argparse.Namespace) -> int:
+    if (args.out / "manifest.json").exists():
+        raise SystemExit(f"{args.out} already holds a dataset; choose a new --out or delete it first")
+    cfg = load_config(args.config)
+    torch.set_num_threads(args.threads)
+    levels = {int(x) for x in args.levels.split(",") if x.strip()}
+    if not levels <= {0, 1, 2}:
+        raise SystemExit(f"--levels takes 0, 1 and/or 2, got {args.levels!r}")
+    lo, hi = (int(x) for x in args.dialogs_per_stream.split(","))
+    client = None if args.generator == "template" else configured_client(cfg)
+    if args.generator == "llm" and client is None:
+        raise SystemExit("--generator llm needs an [llm] endpoint with an API key (see README 'Configuration')")
+    if client is None:
+        households, dialogs = make_corpus(args.households, args.split, args.seed)
+        print(f"{len(dialogs)} dialogs from {GENERATOR}")
+    else:
+        households, dialogs, rejected = make_llm_corpus(args.households, args.split, args.seed, client)
+        print(f"{len(dialogs)} dialogs from llm:{cfg.llm.model}; rejected: {dict(rejected) or 'none'}")
+    dialogs = [d for d in dialogs if d.level in levels]
+    if not dialogs:
+        raise SystemExit(f"no dialogs left at levels {sorted(levels)}")
+    codec = build_codec(cfg.mimi)
+    with MemoryTexts(households, l1_bytes=cfg.dialog.l1_steps, l2_bytes=cfg.dialog.l2_steps) as texts:
+        ds = build_dataset(args.out, households, dialogs, texts, codec, args.seed, dialogs_per_stream=(lo, hi),
+                           n1=cfg.dialog.l1_steps, n2=cfg.dialog.l2_steps, noised=not args.no_noised,
+                           tokenizer=load_tokenizer(cfg.dialog.tokenizer),
+                           tokenizer_name=str(cfg.dialog.tokenizer or "byte"))
+    print(f"wrote {args.out}: {ds.manifest.get('counts')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`egomem make-corpus ...` with its own parser (torch loads only when it runs)."""
+    p = argparse.ArgumentParser(prog="egomem make-corpus", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", metavar="PATH", help="TOML config ([mimi], [dialog] chunk sizes and tokenizer, [llm])")
+    add_build_args(p)
+    return run_build(p.parse_args(argv))

@@ -1,0 +1,263 @@
+"""`egomem eval-dialog` (paper Table 3): held-out people -> dialogs -> streams (or a dataset's held-out
+streams), every model x condition (clean, noised) through `evaluate.evaluate`, throughput
+(throughput.py), a JSON report and a PNG (docs/training.md#evaluation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from egomem.dialog.engine import DialogEngine
+from egomem.dialog.tokenizer import TextTokenizer
+
+from .evaluate import EvalError, evaluate, fit_text
+from .streams import Stream
+from .types import Dialog
+
+
+def add_eval_args(p: Any) -> None:
+    """`egomem eval-dialog`'s options (the caller adds --config)."""
+    from pathlib import Path
+
+    a = p.add_argument
+    a("--people", type=Path, metavar="JSONL", help="held-out households, one per line (docs/training.md#people-jsonl); "
+                                                   "their dialogs come from the template generator unless --dialogs")
+    a("--dialogs", type=Path, metavar="JSONL", help="dialogs of those households (types.Dialog per line)")
+    a("--data", type=Path, metavar="DIR", help="a dataset folder: evaluate its held-out streams as they are")
+    a("--households", type=int, default=8, help="without --people/--data: generate this many held-out households")
+    a("--weights", type=Path, help="the model under test (default: dialog.weights; unset: the seeded random init)")
+    a("--name", default="model", help="its label in the report")
+    a("--peer-empty", action="store_true", help="also the same model with empty MemChunks")
+    a("--peer", action="append", default=[], metavar="NAME=WEIGHTS",
+      help="another model in the same run (WEIGHTS 'random': the preset's seeded random init); repeatable")
+    a("--conditions", default="clean,noised", help="clean and/or noised, comma-separated")
+    a("--judge", choices=["auto", "rules", "llm"], default="auto", help="auto: the LLM when its key is set, else rules")
+    a("--judge-cache", type=Path, help="SQLite file of cached LLM verdicts (default: beside --out)")
+    a("--batch", type=int, default=8, help="streams stepped together (engine slots)")
+    a("--reply-frames", type=int, default=250, help="longest reply window, in 80 ms frames")
+    a("--limit-streams", type=int, default=0, help="evaluate at most this many streams (0: all)")
+    a("--fps-ticks", type=int, default=40, help="timed ticks per throughput measurement")
+    a("--served-fps", action="store_true", help="also measure dialog_lm on a real tritonserver (slow to start)")
+    a("--seed", type=int, default=0)
+    a("--out", type=Path, default=Path("runs/eval_dialog.json"), help="JSON report; the PNG goes beside it")
+
+
+def load_people(path: Any) -> list[Any]:
+    """Households of a people JSONL (docs/training.md#people-jsonl), made held-out (held-out voices)."""
+    import dataclasses
+    import json
+
+    from .types import household_from_json
+
+    out, seen = [], set()
+    for no, line in enumerate(open(path, encoding="utf-8"), 1):
+        if not line.strip():
+            continue
+        try:
+            h = household_from_json(json.loads(line))
+        except (ValueError, KeyError, TypeError) as e:
+            raise EvalError(f"{path}:{no}: not a household ({type(e).__name__}: {e}); "
+                            f"the schema: docs/training.md#people-jsonl") from e
+        ids = [p.user_id for p in (h.main, *h.related)]
+        if len(set(ids)) != len(ids) or seen & set(ids) or not all(p.name.strip() for p in (h.main, *h.related)):
+            raise EvalError(f"{path}:{no}: user_ids must be unique in the file and every person needs a name")
+        if any(e.other not in ids[1:] for e in h.edges):
+            raise EvalError(f"{path}:{no}: each edge's 'other' must be the user_id of one of 'related'")
+        seen |= set(ids)
+        out.append(dataclasses.replace(h, split="heldout"))
+    if not out:
+        raise EvalError(f"{path} holds no household")
+    return out
+
+
+def _eval_set(args: Any, cfg: Any, tokenizer: TextTokenizer, noised: bool) -> tuple[list, list[Dialog], list[Stream]]:
+    """(households, dialogs, held-out streams) from --data, or --people/--dialogs, or the generator."""
+    import dataclasses
+    import json
+
+    from .types import dialog_from_json
+
+    limit = args.limit_streams or None
+    if args.data is not None:
+        from .dataset import Dataset
+
+        ds = Dataset(args.data)
+        have = {p.stem for p in (args.data / "streams").glob("*.npy")}
+        streams = [Stream(lay, ds.tokens(lay.stream), ds.tokens(f"{lay.stream}-noised")
+                          if f"{lay.stream}-noised" in have else None)
+                   for lay in ds.layouts if lay.meta.get("split") == "heldout"][:limit]
+        if not streams:
+            raise EvalError(f"{args.data} holds no held-out stream: build it with a held-out split")
+        return ds.households, ds.dialogs, streams
+    if args.people is None and args.dialogs is None:
+        from .corpus import make_corpus
+
+        households, dialogs = make_corpus(args.households, "heldout", args.seed)
+    elif args.people is None:
+        raise EvalError("--dialogs needs --people (the households those dialogs are about)")
+    else:
+        households = load_people(args.people)
+        if args.dialogs is not None:
+            dialogs = [dataclasses.replace(dialog_from_json(json.loads(x)), split="heldout")
+                       for x in open(args.dialogs, encoding="utf-8") if x.strip()]
+        else:
+            import random
+
+            from .corpus import make_dialogs
+
+            try:
+                dialogs = [d for i, h in enumerate(households)
+                           for d in make_dialogs(h, random.Random(f"egomem-dialogs/heldout/{args.seed}/{i}"))]
+            except ValueError as e:
+                raise EvalError(f"{args.people}: the template generator cannot write dialogs for it: {e}") from e
+    homes = {h.main.user_id for h in households}
+    dialogs = [d for d in dialogs if d.household in homes]
+    if not dialogs:
+        raise EvalError("no dialog belongs to the given households")
+    from egomem.trigger.codec import build_codec
+
+    from .streams import StreamBuilder, group_dialogs
+
+    builder = StreamBuilder(build_codec(cfg.mimi), tokenizer, seed=args.seed)
+    streams = [builder.build(f"eval-{i:04d}", [(j, dialogs[j]) for j in g], i, noised=noised)
+               for i, g in enumerate(group_dialogs(dialogs, args.seed)[:limit])]
+    return households, dialogs, streams
+
+
+def fact_vocabulary() -> dict[str, str]:
+    """Every profile fact value of the corpus generator, both splits: value -> its kind ("Oslo" -> "city")."""
+    from .vocab import pools
+
+    return {v: kind for split in ("train", "heldout") for kind, vs in pools(split).facts.items() for v in vs}
+
+
+def run_eval(args: Any) -> int:
+    """`egomem eval-dialog`: every model x condition, JSON report + PNG; 0 on success, 2 on bad input."""
+    import copy
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    from egomem.config import ConfigError, load_config, validate
+    from egomem.dialog.checkpoint import CheckpointError
+    from egomem.dialog.serving import build_engine
+    from egomem.memory.llm import LLMNotConfigured
+    from egomem.serving.launcher import LaunchError, free_port
+
+    from .judge import JudgeError, make_judge
+    from .memory_text import MemoryTexts
+    from .throughput import ServedTickError, engine_fps, served_fps
+
+    memory = None
+    try:
+        cfg = load_config(getattr(args, "config", None))
+        conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
+        if not conditions or set(conditions) - {"clean", "noised"}:
+            raise EvalError(f"--conditions takes clean and/or noised, got {args.conditions!r}")
+        models = [(args.name, args.weights or cfg.dialog.weights, True)]
+        if args.peer_empty:
+            models.append((f"{args.name} (empty MemChunks)", models[0][1], False))
+        for spec in args.peer:
+            name, sep, w = spec.partition("=")
+            if not (sep and name and w):
+                raise EvalError(f"--peer takes NAME=WEIGHTS (a safetensors file or 'random'), got {spec!r}")
+            models.append((name, None if w == "random" else w, True))
+        engine_cfg = replace(cfg.dialog, max_streams=args.batch)
+        engines: dict[str, DialogEngine] = {}
+        engines[str(models[0][1])], tokenizer = build_engine(replace(engine_cfg, weights=models[0][1]))
+        households, dialogs, streams = _eval_set(args, cfg, tokenizer, "noised" in conditions)
+        memory = MemoryTexts(households, l1_bytes=cfg.dialog.l1_steps, l2_bytes=cfg.dialog.l2_steps,
+                             retrieval=cfg.retrieval)  # byte budgets: a step holds at least one byte
+        judge = make_judge(args.judge, cfg.llm, households, dialogs, args.judge_cache or
+                           args.out.with_suffix(".judge.sqlite3"), fact_vocabulary())
+        users = [d.user_id for s in streams for d in s.layout.dialogs][:args.batch]
+        l1_texts = [memory.l1(u) for u in users]
+        l2_texts = [memory.l2(dialogs[d.index].user_id, dialogs[d.index].turns[u.turn].query) for s in streams
+                    for d in s.layout.dialogs for u in d.turns if dialogs[d.index].turns[u.turn].query][:args.batch]
+        l2_texts = l2_texts or l1_texts  # no Level-2 turn: any text loads the L2 MemChunk alike
+        n1, n2 = engine_cfg.l1_steps, engine_cfg.l2_steps
+        l1_texts, l2_texts = [fit_text(tokenizer, t, n1)[0] for t in l1_texts], [fit_text(tokenizer, t, n2)[0]
+                                                                                  for t in l2_texts]
+        l1_ids, l2_ids = [tokenizer.encode(t) for t in l1_texts], [tokenizer.encode(t) for t in l2_texts]
+        results = []
+        for name, weights, use_memory in models:
+            key = str(weights)
+            if key not in engines:
+                engines[key] = build_engine(replace(engine_cfg, weights=weights))[0]
+            entry: dict[str, Any] = {"name": name, "weights": None if weights is None else str(weights),
+                                     "memory": use_memory}
+            for c in conditions:
+                entry[c] = evaluate(engines[key], tokenizer, dialogs, streams, memory, judge, c == "noised", use_memory,
+                                    reply_frames=args.reply_frames, max_query_chars=cfg.retrieval.max_query_chars)
+            if use_memory:  # throughput of these weights (the empty-MemChunk peer shares its model's)
+                fps = entry["fps"] = {"engine": engine_fps(engines[key], l1_ids, l2_ids, ticks=args.fps_ticks)}
+                if args.served_fps:
+                    served = copy.deepcopy(cfg)  # the server's own slot pool: at least --batch slots
+                    served.dialog = replace(cfg.dialog, weights=None if weights is None else Path(weights).resolve(),
+                                            max_streams=max(args.batch, cfg.dialog.max_streams))
+                    served.server = replace(cfg.server, http_port=free_port(), grpc_port=free_port(),
+                                            metrics_port=free_port(), run_dir=args.out.parent.resolve() / "eval_triton")
+                    validate(served, source="eval-dialog --served-fps")
+                    fps["served"] = served_fps(served, l1_texts, l2_texts, args.batch, args.fps_ticks)
+            results.append(entry)
+            _print_row(entry, conditions)
+    except (EvalError, JudgeError, CheckpointError, ConfigError, LLMNotConfigured, FileNotFoundError, LaunchError,
+            ServedTickError) as e:
+        print(f"eval-dialog: {e}", flush=True)
+        return 2
+    finally:
+        if memory is not None:
+            memory.close()
+    report = {"judge": judge.name, "households": len(households), "dialogs": len(dialogs), "streams": len(streams),
+              "conditions": conditions, "seed": args.seed, "reply_frames": args.reply_frames, "models": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    plot(report, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`egomem eval-dialog [options]` (egomem/cli.py runs it with the arguments after the job's name)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="egomem eval-dialog", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", metavar="PATH", help="TOML config file (default: $EGOMEM_CONFIG, else built-in defaults)")
+    add_eval_args(p)
+    return run_eval(p.parse_args(argv))
+
+
+def _print_row(entry: dict[str, Any], conditions: list[str]) -> None:
+    f = lambda x: "  -  " if x is None else f"{x:.3f}"  # noqa: E731
+    for c in conditions:
+        r, q, aq = entry[c], entry[c]["l2"]["query"], entry[c]["answer_quality"]
+        print(f"{entry['name']:<28} {c:<6} L1 fact {f(r['l1']['fact_score'])} (n={r['l1']['n']})  L2 fact "
+              f"{f(r['l2']['fact_score'])} (n={r['l2']['n']})  query P {f(q['precision'])} R {f(q['recall'])} "
+              f"EM {f(q['exact'])}  AQ {aq if isinstance(aq, str) else f(aq['mean'])}", flush=True)
+
+
+def plot(report: dict[str, Any], path: Any) -> None:
+    """Bar chart: Fact Score per model x condition, Level 1 and Level 2 side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models, conds = report["models"], report["conditions"]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.5 * len(models)), 4), sharey=True)
+    w = 0.8 / len(conds)
+    for ax, level in zip(axes, ("l1", "l2"), strict=True):
+        for k, c in enumerate(conds):
+            vals = [m[c][level]["fact_score"] for m in models]
+            bars = ax.bar([i + (k - (len(conds) - 1) / 2) * w for i in range(len(models))], [v or 0 for v in vals], w,
+                          label=c)
+            for b, v, m in zip(bars, vals, models, strict=True):
+                ax.annotate("n/a" if v is None else f"{v:.2f}\nn={m[c][level]['n']}",
+                            (b.get_x() + w / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(models)), [m["name"] for m in models], rotation=15, fontsize=8)
+        ax.set(ylim=(0, 1.15), title=f"Level-{level[1]} Fact Score", ylabel="Fact Score")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"eval-dialog ({report['judge']} judge, {report['streams']} held-out streams)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

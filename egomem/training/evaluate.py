@@ -1,0 +1,255 @@
+"""`egomem eval-dialog` (paper Table 3): how well a dialog model uses its MemChunks, on held-out streams.
+
+`evaluate` drives the real `DialogEngine` through `DialogStreamPool`, the code `dialog_lm` serves with:
+per stream one sequence (START opens a slot, END frees it), one batched tick per frame over all the
+streams under evaluation, the user's listen codes of the held-out stream (clean or noised) fed frame by
+frame. Memory enters as the orchestrator puts it there: when a dialog starts, an L1 refresh with the
+dialog user's profile (`MemoryTexts.l1`; identification is not evaluated: the user is known; the refresh
+clears L2, as every training sample's dialog starts with L2 empty); when the model's text channel holds a complete query
+(`parse_query`, looked for whenever a piece holds ">"), the real Level-2 retrieval with the PARSED query
+(`MemoryTexts.l2`) and an L2 refresh before the next tick. The empty-MemChunk peer writes nothing.
+
+A turn's reply is the model's decoded text from the end of the user's audio (for a greeting: the turn's
+start) until the next user turn starts, at most `reply_frames` frames, with any `<retr>...<answer>`
+cut out; the judge (judge.py) scores it. Level-2 turns also score the first query the model wrote
+between the start of the user's audio and the end of that window.
+
+The command around it (held-out people -> dialogs -> streams, models x conditions, throughput, the
+JSON report and PNG) is egomem/training/eval_dialog.py.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from moshi.models.lm import LMModel
+
+from egomem.dialog.engine import DialogEngine
+from egomem.dialog.serving import DialogRequest, DialogResult, DialogStreamPool
+from egomem.dialog.tokenizer import TextTokenizer
+from egomem.retrieval.query import RetrievalQuery, parse_query
+
+from .judge import NOT_MEASURED, Judge, TurnCase, query_scores
+from .streams import Stream
+from .types import Dialog, Query
+
+LISTEN = slice(9, 17)  # listen rows of the aligned 17-row stream
+_QUERY_MARKUP = re.compile(r"<retr>.*?(<answer>|$)", re.S)
+
+
+class EvalError(RuntimeError):
+    """The evaluation cannot run on this input; the message says what to change."""
+
+
+class MemorySource(Protocol):
+    """What the memory holds for a user: the Level-1 profile text and the Level-2 text for a query."""
+
+    def l1(self, user_id: str) -> str: ...
+
+    def l2(self, user_id: str, query: Query) -> str: ...
+
+
+def fit_text(tokenizer: TextTokenizer, text: str, cap: int) -> tuple[str, bool]:
+    """`text` with whole lines dropped from the end until it fits `cap` MemChunk steps (as the orchestrator's
+    `fit` cuts a profile); (text, whether anything was cut)."""
+    lines = text.split("\n")
+    for n in range(len(lines), 0, -1):
+        kept = "\n".join(lines[:n])
+        if len(tokenizer.encode(kept)) <= cap:
+            return kept, n < len(lines)
+    return "", bool(text)
+
+
+def fit_tokens(tokenizer: TextTokenizer, text: str, cap: int) -> tuple[list[int], bool]:
+    """`fit_text`'s token ids."""
+    kept, cut = fit_text(tokenizer, text, cap)
+    return tokenizer.encode(kept), cut
+
+
+def decode(tokenizer: TextTokenizer, ids: Sequence[int]) -> str:
+    """Text of text-channel ids, without warm-up (-2), end-of-padding (0) and text pad."""
+    return tokenizer.decode([i for i in ids if i > 0 and i != tokenizer.pad_id])
+
+
+def strip_queries(text: str) -> str:
+    """The reply without `<retr>...<answer>` query markup (an unfinished query to the end is cut too)."""
+    return " ".join(_QUERY_MARKUP.sub(" ", text).split())
+
+
+@dataclass
+class _Run:
+    """One stream under evaluation: its schedule of L1 refreshes and what the model wrote."""
+
+    sid: int
+    stream: Stream
+    listen: np.ndarray  # [8, T] int64
+    l1_at: dict[int, str]  # frame -> user whose profile is written before that frame's tick
+    texts: list[int] = field(default_factory=list)  # text id per frame (-2 while warming up)
+    queries: list[tuple[int, RetrievalQuery]] = field(default_factory=list)  # (frame, parsed query)
+    channel: str = ""  # text pieces since the last query found (the orchestrator's QueryDetector)
+    user: str | None = None
+    pending_l2: list[int] | None = None
+
+    @property
+    def n(self) -> int:
+        return self.listen.shape[1]
+
+
+def _engine(lm_or_engine: LMModel | DialogEngine, batch: int, l1_steps: int, l2_steps: int) -> DialogEngine:
+    if isinstance(lm_or_engine, DialogEngine):
+        return lm_or_engine
+    return DialogEngine(lm_or_engine, max_streams=batch, l1_steps=l1_steps, l2_steps=l2_steps)
+
+
+def _condition_frames(stream: Stream, noised: bool) -> np.ndarray:
+    tokens = stream.noised if noised else stream.tokens
+    if tokens is None:
+        raise EvalError(f"stream {stream.layout.stream} has no noised copy: build the streams with noised=True, "
+                        f"or evaluate the clean condition only")
+    return np.asarray(tokens[LISTEN], dtype=np.int64)
+
+
+@torch.no_grad()
+def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dialogs: Sequence[Dialog],
+             streams: Sequence[Stream], memory: MemorySource, judge: Judge, noised: bool = False,
+             use_memory: bool = True, batch: int = 8, reply_frames: int = 250, l1_steps: int = 512,
+             l2_steps: int = 256, max_query_chars: int = 2000) -> dict[str, Any]:
+    """Run held-out `streams` (their dialogs: `dialogs[DialogLayout.index]`) through the engine and judge
+    each Level-1 and Level-2 turn (module docstring). `use_memory=False` is the empty-MemChunk peer. An engine
+    is used as it is (its free slots step together); for an LMModel one is built (`batch`, `l1_steps`, `l2_steps`).
+    Returns the condition's report: Fact Scores, query-word scores, Answer Quality and per-turn records."""
+    engine = _engine(lm_or_engine, batch, l1_steps, l2_steps)
+    pool = DialogStreamPool(engine, tokenizer, ttl_s=float("inf"))
+    n1, n2 = engine.cache.n1, engine.cache.n2
+    runs = []
+    for i, s in enumerate(streams):
+        l1_at = {(0 if k == 0 else d.start): d.user_id for k, d in enumerate(s.layout.dialogs)}
+        runs.append(_Run(i + 1, s, _condition_frames(s, noised), l1_at))
+    stats = {"l1_writes": 0, "l2_writes": 0, "l1_cut": 0, "l2_cut": 0, "frames": 0}
+    width = len(engine.free)
+    if width == 0:
+        raise EvalError("the engine has no free stream slot: close its streams or pass an LMModel")
+    t0 = time.perf_counter()
+    try:
+        for g in range(0, len(runs), width):
+            _drive(pool, runs[g:g + width], memory, tokenizer, use_memory, n1, n2, max_query_chars, stats)
+    finally:  # a failed run leaves no slot taken (END frees them when all goes well)
+        for r in runs:
+            pool.close(r.sid)
+    seconds = time.perf_counter() - t0
+    records = []
+    for run in runs:
+        records += _judge_stream(run, dialogs, memory, judge, tokenizer, reply_frames)
+    report = _aggregate(records)
+    report.update(noised=noised, memory=use_memory, judge=judge.name, streams=len(runs), frames=stats["frames"],
+                  loop_frames_per_s=stats["frames"] / seconds if seconds else None, writes=stats, turns=records)
+    return report
+
+
+def _drive(pool: DialogStreamPool, runs: list[_Run], memory: MemorySource, tokenizer: TextTokenizer,
+           use_memory: bool, n1: int, n2: int, max_query_chars: int, stats: dict[str, int]) -> None:
+    """Tick a group of streams (one pool step per frame) to their ends, as `dialog_lm` serves them."""
+    delay = pool.engine.max_delay
+    for t in range(max(r.n for r in runs)):
+        live = [r for r in runs if t < r.n]
+        requests = []
+        for r in live:
+            req = DialogRequest(r.sid, start=t == 0, end=t == r.n - 1, listen=r.listen[:, t])
+            if t in r.l1_at:
+                r.user, r.pending_l2 = r.l1_at[t], None  # a new L1 clears L2 (and any refill on its way)
+                if use_memory:
+                    ids, cut = fit_tokens(tokenizer, memory.l1(r.user), n1)
+                    req.memchunk_level, req.memchunk_tokens = 1, np.asarray(ids, np.int64)
+                    stats["l1_writes"] += 1
+                    stats["l1_cut"] += cut
+            elif r.pending_l2 is not None:
+                req.memchunk_level, req.memchunk_tokens = 2, np.asarray(r.pending_l2, np.int64)
+                r.pending_l2 = None
+                stats["l2_writes"] += 1
+            requests.append(req)
+        for r, res in zip(live, pool.serve(requests), strict=True):
+            if not isinstance(res, DialogResult):
+                raise EvalError(f"stream {r.stream.layout.stream}, frame {t}: the dialog pool refused the tick: {res}")
+            stats["frames"] += 1
+            if t >= delay:
+                r.texts.append(res.text_token)  # aligned output of tick t is text frame t - max_delay
+            r.channel = (r.channel + res.text_piece)[-4000:]
+            if ">" not in res.text_piece:
+                continue
+            query = parse_query(r.channel, max_query_chars)
+            if query is None:
+                continue
+            r.channel = ""
+            r.queries.append((t - delay, query))
+            if use_memory and r.user is not None:
+                ids, cut = fit_tokens(tokenizer, memory.l2(r.user, Query(query.relations, query.keywords)), n2)
+                r.pending_l2 = ids
+                stats["l2_cut"] += cut
+
+
+def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, judge: Judge,
+                  tokenizer: TextTokenizer, reply_frames: int) -> list[dict[str, Any]]:
+    layout = run.stream.layout
+    starts = [u.user_start for d in layout.dialogs for u in d.turns] + [layout.n_steps]
+    out, k = [], 0
+    for d in layout.dialogs:
+        dialog = dialogs[d.index]
+        if dialog.user_id != d.user_id:
+            raise EvalError(f"stream {layout.stream}: dialog {d.index} is {dialog.user_id!r}'s, the layout says "
+                            f"{d.user_id!r}: pass the dialog list the streams were built from")
+        profile = memory.l1(dialog.user_id)
+        for u in d.turns:
+            k += 1
+            turn = dialog.turns[u.turn]
+            if turn.level == 0:
+                continue
+            a = u.user_end
+            b = min(starts[k], a + reply_frames)
+            reply = strip_queries(decode(tokenizer, run.texts[a:b]))
+            retrieved = memory.l2(dialog.user_id, turn.query) if turn.query is not None else ""
+            v = judge.judge(TurnCase(dialog, turn, reply, profile, retrieved))
+            rec: dict[str, Any] = {"stream": layout.stream, "dialog": d.index, "turn": u.turn, "level": turn.level,
+                                   "greeting": not turn.user.strip(), "frames": [a, b], "reply": reply, "fact_score": v.fact_score,
+                                   "answer_quality": v.answer_quality, "reason": v.reason,
+                                   "expected": {"names": list(turn.names), "facts": list(turn.facts)}}
+            if turn.level == 2 and turn.query is not None:
+                query = next((q for f, q in run.queries if u.user_start <= f < b), None)
+                qs = query_scores(query, turn.query)
+                rec["query"] = None if query is None else {"relations": list(query.relations),
+                                                           "keywords": list(query.keywords)}
+                rec["query_scores"] = {"precision": qs.precision, "recall": qs.recall, "exact": qs.exact,
+                                       "found": qs.found}
+            out.append(rec)
+    return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for level in (1, 2):
+        rs = [r for r in records if r["level"] == level]
+        scored = [r["fact_score"] for r in rs if r["fact_score"] is not None]
+        out[f"l{level}"] = {"fact_score": _mean(scored), "n": len(scored), "unjudged": len(rs) - len(scored)}
+    for part, greeting in (("greetings", True), ("answers", False)):  # L1: the model's opening vs its answers
+        scored = [r["fact_score"] for r in records if r["level"] == 1 and r["greeting"] == greeting
+                  and r["fact_score"] is not None]
+        out["l1"][part] = {"fact_score": _mean(scored), "n": len(scored)}
+    qs = [r["query_scores"] for r in records if "query_scores" in r]
+    out["l2"]["query"] = {"precision": _mean([q["precision"] for q in qs]), "recall": _mean([q["recall"] for q in qs]),
+                          "exact": _mean([float(q["exact"]) for q in qs]), "found": _mean([float(q["found"]) for q in qs]),
+                          "n": len(qs)}
+    aq = [r["answer_quality"] for r in records if r["answer_quality"] is not None]
+    out["answer_quality"] = {"mean": _mean(aq), "n": len(aq)} if aq else NOT_MEASURED
+    return out
+
+
+# ---------------------------------------------------------------------------- the command

@@ -1,0 +1,42 @@
+"""`egomem make-corpus`: the command writes a dataset the trainer reads, and refuses what it cannot do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from egomem.cli import main
+from egomem.training.dataset import Dataset
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def test_make_corpus_writes_a_heldout_level1_dataset(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)  # auto = templates without a key
+    out = tmp_path / "ds"
+    assert main(["make-corpus", "--out", str(out), "--households", "1", "--split", "heldout", "--levels", "1",
+                 "--no-noised", "--seed", "3"]) == 0
+    ds = Dataset(out)
+    assert ds.manifest["n1"] == 512 and ds.manifest["n2"] == 256 and ds.manifest["tokenizer"] == "byte"
+    assert ds.samples and {s.kind for s in ds.samples} == {"l1_response"}
+    assert {s.generator for s in ds.samples} == {"template:v1"} and "template:v1" in capsys.readouterr().out
+    assert all(s.meta["split"] == "heldout" and not s.meta["noised"] for s in ds.samples)
+    people = {p.user_id: p for h in ds.households for p in (h.main, *h.related)}
+    for s in ds.samples:  # each sample's L1 is its own dialog's user's profile, and the stream holds the frames
+        user = ds.dialogs[s.meta["corpus_dialog"]].user_id
+        assert s.l1_text.startswith(f"name: {people[user].name}") and s.l2_text == ""
+        assert max(sp.end for sp in s.text) <= ds.tokens(s.stream).shape[1]
+    assert not list(out.glob("streams/*-noised.npy"))
+    with pytest.raises(SystemExit, match="already holds a dataset"):  # never overwrites one
+        main(["make-corpus", "--out", str(out), "--households", "1", "--levels", "1"])
+    assert json.loads((out / "manifest.json").read_text())["counts"]["households"] == 1
+
+
+def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypatch):
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    with pytest.raises(SystemExit, match="needs an \\[llm\\] endpoint with an API key"):
+        main(["make-corpus", "--out", str(tmp_path / "a"), "--generator", "llm"])
+    with pytest.raises(SystemExit, match="--levels takes 0, 1 and/or 2"):
+        main(["make-corpus", "--out", str(tmp_path / "b"), "--levels", "1,3"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -1,0 +1,420 @@
+"""`egomem eval-dialog`: the offline rule judge on hand-written replies, query-word scores, the LLM judge
+against a local OpenAI-protocol server (validated, cached, never a made-up score), and `evaluate` driving
+the real DialogEngine through the dialog pool on hand-made streams: with a tiny random model, and with a
+tiny model whose weights are set by hand so its text channel writes a known script (greeting, query, reply)
+from the listen codes, so every figure of the report is known in advance."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import test_config
+from llm_server import FakeOpenAIServer
+
+from egomem.config import load_config
+from egomem.dialog import DialogEngine
+from egomem.dialog.checkpoint import build_lm
+from egomem.dialog.tokenizer import ByteTokenizer
+from egomem.memory.llm import LLMClient
+from egomem.memory.sqlite import SQLiteMemoryStore
+from egomem.retrieval.query import RetrievalQuery, parse_query
+from egomem.training.corpus import make_corpus
+from egomem.training.dataset import write_dataset
+from egomem.training.eval_dialog import add_eval_args, fact_vocabulary, load_people, main, run_eval
+from egomem.training.evaluate import EvalError, evaluate, fit_text
+from egomem.training.judge import JudgeError, LLMJudge, RuleJudge, TurnCase, make_judge, query_scores
+from egomem.training.memory_text import MemoryTexts
+from egomem.training.streams import DialogLayout, Stream, StreamLayout, TurnLayout
+from egomem.training.throughput import ServedTickError, served_fps
+from egomem.training.types import Dialog, Edge, Household, Profile, Query, Turn, to_json
+
+CARD = 48  # listen codes 0..47 (the scripted model needs card + 1 <= dim orthonormal embeddings)
+TINY = dict(dim=64, num_heads=2, num_layers=2, card=CARD, text_card=260, context=64, depformer_dim=32,
+            depformer_dim_feedforward=64, depformer_num_heads=2, depformer_num_layers=1)
+TOK = ByteTokenizer()
+
+ADA = Profile("ada", "Ada Stone", ("lives in Oslo", "works as a nurse"), (("like", "knitting"),), "Talked about boats.")
+BEA = Profile("bea", "Bea Stone", ("plays tennis", "lives in Rome"), (("like", "jazz"),))
+CYD = Profile("cyd", "Cyd Marsh", ("has a parrot", "works as a baker"), (("like", "green tea"),))
+HOME = Household(ADA, (BEA, CYD), (Edge("bea", "sister"), Edge("cyd", "coworker")), "heldout")
+HOUSE_TRAIN = Household(ADA, (BEA, CYD), HOME.edges)  # as a people JSONL line may come: split "train"
+SISTER_Q = Query(("sister",), ("play",))
+DIALOGS = [
+    Dialog("ada", "ada", 1, (Turn("", "Hi Ada!", 1, None, ("Ada",), ()),
+                             Turn("Where do I live?", "You live in Oslo.", 1, None, (), ("Oslo",))), "hand", "heldout"),
+    Dialog("ada", "ada", 2, (Turn("What does my sister play?", "Bea plays tennis.", 2, SISTER_Q, ("Bea",), ("tennis",)),
+                             Turn("Say ok.", "ok", 0)), "hand", "heldout"),
+    Dialog("ada", "cyd", 1, (Turn("", "Hi Cyd!", 1, None, ("Cyd",), ()),
+                             Turn("How are you?", "Fine.", 1)), "hand", "heldout"),  # nothing to check: unjudged
+]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def memory():
+    with MemoryTexts([HOME]) as m:  # the real store + Level-2 retrieval (BM25 + MiniLM re-rank)
+        yield m
+
+
+def case(dialog: int, turn: int, reply: str) -> TurnCase:
+    return TurnCase(DIALOGS[dialog], DIALOGS[dialog].turns[turn], reply)
+
+
+# ---------------------------------------------------------------------------- rule judge
+
+
+def test_rule_judge_right_name_or_fact_scores_one_and_quality_is_not_measured():
+    judge = RuleJudge([HOME], DIALOGS)
+    for reply in ("Hi Ada!", "HI, ADA!!", "Good morning, Ada Stone."):
+        v = judge.judge(case(0, 0, reply))
+        assert (v.fact_score, v.answer_quality, v.judge) == (1, None, "rules"), (reply, v)
+    assert judge.judge(case(0, 1, "You live in oslo.")).fact_score == 1
+    assert judge.judge(case(1, 0, "Ada, your sister Bea plays tennis.")).fact_score == 1  # naming the user is fine
+    assert judge.judge(case(1, 0, "She plays tennis.")).fact_score == 1  # the fact alone is enough
+    for reply in ("", "Hi Adamant!", "Hello there."):  # a name must be a whole word
+        v = judge.judge(case(0, 0, reply))
+        assert v.fact_score == 0 and "neither" in v.reason
+    v = judge.judge(case(2, 1, "Fine."))
+    assert v.fact_score is None and v.answer_quality is None  # nothing this rule can check
+
+
+def test_rule_judge_wrong_person_is_zero():
+    judge = RuleJudge([HOME], DIALOGS)
+    v = judge.judge(case(0, 0, "Hi Bea!"))
+    assert v.fact_score == 0 and "'bea'" in v.reason
+    v = judge.judge(case(0, 0, "Hi Ada! Say hello to Cyd Marsh."))
+    assert v.fact_score == 0 and "cyd" in v.reason
+    assert judge.judge(case(1, 0, "Your sister Cyd plays tennis.")).fact_score == 0
+
+
+def test_rule_judge_contradicting_facts_are_zero():
+    judge = RuleJudge([HOME], DIALOGS)
+    # (F) someone else's statement: Cyd likes green tea, Ada does not
+    v = judge.judge(case(0, 1, "You live in Oslo and love green tea."))
+    assert v.fact_score == 0 and "green tea" in v.reason
+    # (T) learned from the dialogs: "Oslo" inside "lives in Oslo" makes "lives in {}" a type, Bea's Rome is one
+    # of its values once a dialog asks about it; Ada holds another value of that type
+    rome = Dialog("ada", "ada", 2, (Turn("Where does my sister live?", "In Rome.", 2, Query(("sister",), ("live",)),
+                                         ("Bea",), ("Rome",)),), "hand", "heldout")
+    judge = RuleJudge([HOME], [*DIALOGS, rome])
+    v = judge.judge(case(0, 1, "You live in Oslo, near Rome."))
+    assert v.fact_score == 0 and "lives in {}" in v.reason
+    assert judge.judge(case(1, 0, "Bea plays tennis in Rome.")).fact_score == 1  # Bea's own city: true
+    # (T) from the generator's vocabulary: a city nobody here has, a sport Bea does not play
+    judge = RuleJudge([HOME], DIALOGS, fact_vocabulary())
+    v = judge.judge(case(0, 1, "You live in Paris."))
+    assert v.fact_score == 0 and "'paris'" in v.reason and "city" in v.reason
+    v = judge.judge(case(1, 0, "Your sister Bea plays golf."))
+    assert v.fact_score == 0 and "sport" in v.reason
+    assert judge.judge(case(0, 0, "Hi Ada! How is life in Oslo?")).fact_score == 1
+    # a kind the person has no value of cannot be contradicted: Ada has no sport
+    assert judge.judge(case(0, 0, "Hi Ada! Fancy some tennis?")).fact_score == 1
+
+
+def test_rule_judge_on_the_generated_corpus():
+    """Every reference reply of the template generator scores 1 (no false contradiction from relation words,
+    shared surnames or other households); the same greeting with a household member's name scores 0."""
+    households, dialogs = make_corpus(20, "heldout", 0)
+    judge = RuleJudge(households, dialogs, fact_vocabulary())
+    turns = [(d, t) for d in dialogs for t in d.turns if t.level]
+    verdicts = [judge.judge(TurnCase(d, t, t.reply)) for d, t in turns]
+    assert len(turns) > 100 and [v.reason for v in verdicts if v.fact_score != 1] == []
+    homes = {h.main.user_id: h for h in households}
+    wrong = 0
+    for d, t in turns:
+        if t.user == "":  # a greeting: "Hi <first name>! ..."
+            other = next(p for p in (homes[d.household].main, *homes[d.household].related) if p.user_id != d.user_id)
+            reply = t.reply.replace(t.names[0], other.name.split()[0])
+            wrong += 1
+            assert judge.judge(TurnCase(d, t, reply)).fact_score == 0, reply
+    assert wrong >= 20
+
+
+def test_people_jsonl_is_checked_and_made_held_out(tmp_path):
+    good = json.dumps(to_json(HOUSE_TRAIN))
+    (tmp_path / "ok.jsonl").write_text(good + "\n\n")
+    (h,) = load_people(tmp_path / "ok.jsonl")
+    assert h.split == "heldout" and h.main == ADA and h.edges == HOME.edges  # evaluated with held-out voices
+    for name, text, match in [("bad", good + "\n{\"main\": {}}\n", r"bad.jsonl:2: not a household"),
+                              ("dup", good + "\n" + good + "\n", r"dup.jsonl:2: user_ids must be unique"),
+                              ("edge", good.replace('"other": "bea"', '"other": "zed"'), "edge.jsonl:1: each edge"),
+                              ("empty", "\n", "holds no household")]:
+        (tmp_path / f"{name}.jsonl").write_text(text)
+        with pytest.raises(EvalError, match=match):
+            load_people(tmp_path / f"{name}.jsonl")
+
+
+# ---------------------------------------------------------------------------- query words
+
+
+def test_query_scores():
+    s = query_scores(RetrievalQuery(("sister",), ("play",)), Query(("Sister",), ("play ",)))
+    assert (s.precision, s.recall, s.exact, s.found) == (1.0, 1.0, True, True)
+    s = query_scores(RetrievalQuery(("sister",), ()), SISTER_Q)
+    assert (s.precision, s.recall, s.exact) == (1.0, 0.5, False)
+    s = query_scores(RetrievalQuery(("sister",), ("tennis", "play", "golf")), SISTER_Q)
+    assert (s.precision, s.recall, s.exact) == (pytest.approx(2 / 4), 1.0, False)
+    s = query_scores(RetrievalQuery((), ("sister",)), Query(("sister",), ()))  # a word counts in its own group only
+    assert (s.precision, s.recall) == (0.0, 0.0)
+    s = query_scores(None, SISTER_Q)
+    assert (s.precision, s.recall, s.exact, s.found) == (0.0, 0.0, False, False)
+    assert query_scores(None, Query()).exact  # nothing to ask, nothing asked
+    truth = Query(("best friend",), ("tennis", "birthday"))
+    assert query_scores(parse_query("blah " + truth.text()), truth).exact  # what the model writes, parsed
+
+
+# ---------------------------------------------------------------------------- LLM judge
+
+
+@pytest.fixture()
+def server():
+    srv = FakeOpenAIServer().start()
+    yield srv
+    srv.stop()
+
+
+def llm_cfg(server: FakeOpenAIServer, monkeypatch, max_attempts: int = 1):
+    monkeypatch.setenv("EGOMEM_TEST_LLM_KEY", "k")
+    cfg = load_config(env={}).llm
+    cfg.base_url, cfg.model, cfg.api_key_env = server.base_url, "fake-model", "EGOMEM_TEST_LLM_KEY"
+    cfg.timeout_s, cfg.max_attempts, cfg.backoff_base_s = 2.0, max_attempts, 0.01
+    return cfg
+
+
+def test_llm_judge_answer_validated_used_and_cached(server, monkeypatch, tmp_path):
+    judge = make_judge("llm", llm_cfg(server, monkeypatch), [HOME], DIALOGS, tmp_path / "judge.sqlite3")
+    assert isinstance(judge, LLMJudge) and judge.name == "llm:fake-model"
+    server.push(("ok", {"fact_score": 1, "answer_quality": 4, "reason": "greets Ada by name"}))
+    c = TurnCase(DIALOGS[0], DIALOGS[0].turns[0], "Hi Ada!", profile="name: Ada Stone")
+    v = judge.judge(c)
+    assert (v.fact_score, v.answer_quality, v.reason) == (1, 4, "greets Ada by name")
+    body = json.loads(server.requests[0]["messages"][1]["content"])
+    assert body["assistant_reply"] == "Hi Ada!" and body["profile"] == "name: Ada Stone"
+    assert body["expected_names"] == ["Ada"]
+    assert judge.judge(c) == v and len(server.requests) == 1  # replayed from the cache, the server not asked
+    # a new judge on the same cache file (a re-run) asks nothing either
+    again = make_judge("llm", llm_cfg(server, monkeypatch), [HOME], DIALOGS, tmp_path / "judge.sqlite3")
+    assert again.judge(c) == v and len(server.requests) == 1
+
+
+@pytest.mark.parametrize("bad", [("ok", {"fact_score": 3, "answer_quality": 4, "reason": "x"}),
+                                 ("ok", {"fact_score": 1, "answer_quality": 0, "reason": "x"}),
+                                 ("ok", {"fact_score": 1, "reason": "no quality"}),
+                                 ("malformed", "{not json")])
+def test_llm_judge_invalid_answer_is_an_error_not_a_score(server, monkeypatch, tmp_path, bad):
+    store = SQLiteMemoryStore(tmp_path / "judge.sqlite3")
+    judge = LLMJudge(LLMClient(llm_cfg(server, monkeypatch), store))
+    server.push(bad)
+    with pytest.raises(JudgeError, match="No score is made up"):
+        judge.judge(case(0, 0, "Hi Ada!"))
+    server.push(("ok", {"fact_score": 0, "answer_quality": 2, "reason": "fine now"}))  # nothing bad was cached
+    assert judge.judge(case(0, 0, "Hi Ada!")).fact_score == 0
+
+
+def test_make_judge_auto_without_key_is_the_rules(monkeypatch):
+    cfg = load_config(env={}).llm
+    monkeypatch.delenv(cfg.api_key_env, raising=False)
+    assert isinstance(make_judge("auto", cfg, [HOME], DIALOGS), RuleJudge)
+    with pytest.raises(Exception, match="--judge rules"):
+        make_judge("llm", cfg, [HOME], DIALOGS)
+
+
+# ---------------------------------------------------------------------------- evaluate, end to end
+
+# (dialog, turns as (user_start, user_end, model text written from user_end + 1)) per stream; frames by hand
+QUERY = "<retr>:\nsister\n<answer>"
+# The greeting's text ends on the frame before the next user turn starts, and the model "says" x on the first
+# and last frames of that user's audio: neither belongs to a reply, so the windows are checked to the frame.
+PLAN = [
+    [(0, 2, [(2, 2, "Hi Ada!"), (10, 14, "You live in Oslo.")]),
+     (1, 42, [(42, 46, QUERY + "Bea plays tennis."), (90, 94, "ok")])],
+    [(2, 3, [(3, 3, "Hi Cyd!"), (14, 18, "Fine.")])],
+]
+NOISED = {"Hi Ada!": "Hi Bea!", "You live in Oslo.": "You live in Rome.", QUERY + "Bea plays tennis.":
+          "<retr>:\ncousin\n<answer>Cyd plays tennis."}
+STRAY = {0: {10: "x", 13: "x"}}  # stream -> frame -> a character the model writes while the user speaks
+CHARS = sorted({c for s in [*NOISED, *NOISED.values(), "ok", "Hi Cyd!", "Fine.", "x"] for c in s})
+assert len(CHARS) < CARD
+
+
+def make_streams(rng: np.random.Generator) -> list[Stream]:
+    """Hand-made streams: listen codebook 0 carries the scripted model's text (code c -> CHARS[c - 1]), the
+    other rows random codes; the noised copy's script says the wrong things (NOISED)."""
+    out = []
+    for i, dialogs in enumerate(PLAN):
+        n = 100 if i == 0 else 28
+        clean, noised = (rng.integers(1, CARD, (17, n)).astype(np.int16) for _ in range(2))
+        clean[9] = noised[9] = 0  # code 0: text pad
+        layouts = []
+        for d, start, turns in dialogs:
+            tl = []
+            for j, (us, ue, text) in enumerate(turns):
+                for row, t in ((clean, text), (noised, NOISED.get(text, text))):
+                    row[9, ue + 1:ue + 1 + len(t)] = [CHARS.index(c) + 1 for c in t]
+                end = ue + 1 + len(text)
+                tl.append(TurnLayout(j, us, ue, None, None, ue + 1, end, ue + 3, end, False))
+            layouts.append(DialogLayout(d, DIALOGS[d].user_id, "v", start, tl[-1].reply_end, tuple(tl)))
+        for f, c in STRAY.get(i, {}).items():
+            clean[9, f] = noised[9, f] = CHARS.index(c) + 1
+        out.append(Stream(StreamLayout(f"s{i}", n, tuple(layouts)), clean, noised))
+    return out
+
+
+class CountingEngine(DialogEngine):
+    """The real engine, recording each MemChunk write: (slot, level, tokens, ticks the slot had taken)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.writes: list[tuple[int, int, list[int], int]] = []
+
+    def write_memchunk(self, slot, level, text_tokens):
+        self.writes.append((slot, level, [int(t) for t in text_tokens], self.steps(slot)))
+        super().write_memchunk(slot, level, text_tokens)
+
+
+def scripted_lm():
+    """A tiny LMModel whose greedy text token at tick t is CHARS[c - 1] for listen code c of codebook 0 (text
+    pad for code 0 and the initial token): the temporal transformer is zeroed (the residual carries the
+    input embedding through), only that codebook's embedding is non-zero (orthonormal rows), and the text
+    head maps each row to its character."""
+    lm = build_lm("tiny", seed=0, **TINY)
+    with torch.no_grad():
+        for p in lm.transformer.parameters():
+            p.zero_()
+        for e in (*lm.emb, lm.text_emb):
+            e.weight.zero_()
+        basis = torch.linalg.qr(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))[0].T
+        lm.emb[8].weight.copy_(basis[:CARD + 1])  # listen codebook 0 (delay 0: read at the tick it arrives)
+        lm.text_linear.weight.zero_()
+        for c, ch in enumerate(CHARS, 1):
+            lm.text_linear.weight[TOK.encode(ch)[0]] += basis[c]
+        lm.text_linear.weight[TOK.pad_id] += basis[0] + basis[CARD]
+    return lm
+
+
+def test_evaluate_scripted_model_every_figure_known(memory):
+    streams = make_streams(np.random.default_rng(0))
+    engine = CountingEngine(scripted_lm(), max_streams=2, l1_steps=512, l2_steps=256, ring_steps=32)
+    judge = RuleJudge([HOME], DIALOGS, fact_vocabulary())
+    r = evaluate(engine, TOK, DIALOGS, streams, memory, judge)
+    assert r["l1"] == {"fact_score": 1.0, "n": 3, "unjudged": 1, "greetings": {"fact_score": 1.0, "n": 2},
+                       "answers": {"fact_score": 1.0, "n": 1}}
+    assert r["l2"]["fact_score"] == 1.0 and r["l2"]["n"] == 1
+    assert r["l2"]["query"] == {"precision": 1.0, "recall": 0.5, "exact": 0.0, "found": 1.0, "n": 1}
+    assert r["answer_quality"] == "not measured"
+    assert [(t["frames"], t["reply"]) for t in r["turns"]] == [
+        ([2, 10], "Hi Ada!"), ([14, 42], "You live in Oslo."), ([46, 90], "Bea plays tennis."),  # query cut out
+        ([3, 14], "Hi Cyd!"), ([18, 28], "Fine.")]  # the level-0 turn is not judged
+    assert [t["expected"] for t in r["turns"]] == [  # what the judge looked for, beside each reply
+        {"names": ["Ada"], "facts": []}, {"names": [], "facts": ["Oslo"]}, {"names": ["Bea"], "facts": ["tennis"]},
+        {"names": ["Cyd"], "facts": []}, {"names": [], "facts": []}]
+    l2 = [rec for rec in r["turns"] if rec["level"] == 2][0]
+    assert l2["query"] == {"relations": ["sister"], "keywords": []}
+    # L1 at each dialog's start (stream 0: ticks 0 and 42; stream 1: tick 0), each the user's profile
+    l1 = [(w[2], w[3]) for w in engine.writes if w[1] == 1]
+    assert sorted(t for _, t in l1) == [0, 0, 42]
+    assert all(toks == TOK.encode(fit_text(TOK, memory.l1(u), 512)[0]) for (toks, _), u in
+               zip(l1, ["ada", "cyd", "ada"], strict=True) if toks) and all(toks for toks, _ in l1)
+    # L2: the real retrieval for the PARSED query (relations only), before the tick after '>' came out
+    (_, _, l2_tokens, at), = [w for w in engine.writes if w[1] == 2]
+    expected = memory.l2("ada", Query(("sister",), ()))
+    assert "Bea" in expected and l2_tokens == TOK.encode(expected)
+    assert at == 46 + 1 + len(QUERY) + engine.max_delay  # query's last frame + output delay + next tick
+    assert r["writes"]["l1_writes"] == 3 and r["writes"]["l2_writes"] == 1 and r["frames"] == 128
+
+    noisy = evaluate(engine, TOK, DIALOGS, streams, memory, judge, noised=True)
+    assert noisy["l1"]["fact_score"] == 1 / 3  # "Hi Bea!" and "Rome" wrong; "Hi Cyd!" right
+    assert noisy["l1"]["greetings"]["fact_score"] == 0.5 and noisy["l1"]["answers"]["fact_score"] == 0.0
+    assert noisy["l2"]["fact_score"] == 0.0 and noisy["l2"]["query"]["precision"] == 0.0
+
+
+def test_evaluate_tiny_random_model_and_empty_memchunk_peer(memory):
+    streams = make_streams(np.random.default_rng(1))
+    lm = build_lm("tiny", seed=3, **TINY)
+    engine = CountingEngine(lm, max_streams=1, l1_steps=512, l2_steps=256, ring_steps=32)  # streams one by one
+    judge = RuleJudge([HOME], DIALOGS)
+    r = evaluate(engine, TOK, DIALOGS, streams, memory, judge)
+    assert (r["l1"]["n"], r["l1"]["unjudged"], r["l2"]["n"], r["l2"]["query"]["n"]) == (3, 1, 1, 1)
+    figures = [r["l1"]["fact_score"], r["l2"]["fact_score"], *(r["l2"]["query"][k] for k in
+                                                                ("precision", "recall", "exact", "found"))]
+    assert all(0.0 <= f <= 1.0 for f in figures) and r["answer_quality"] == "not measured"
+    assert len(r["turns"]) == 5 and all(isinstance(t["reply"], str) for t in r["turns"])  # level 0 not judged
+    assert sum(w[1] == 1 for w in engine.writes) == 3 == r["writes"]["l1_writes"]
+    engine.writes.clear()
+    empty = evaluate(engine, TOK, DIALOGS, streams, memory, judge, noised=True, use_memory=False)
+    assert engine.writes == [] and empty["writes"]["l1_writes"] == empty["writes"]["l2_writes"] == 0
+    assert empty["memory"] is False and empty["l1"]["n"] == 3 and not engine.active  # every slot freed
+    bad = streams[1].tokens.copy()
+    bad[12, 5] = CARD  # a listen code the model's codebook does not have
+    with pytest.raises(EvalError, match="refused the tick.*LISTEN_CODES"):
+        evaluate(engine, TOK, DIALOGS, [Stream(streams[1].layout, bad, None)], memory, judge)
+    assert not engine.active  # the failed run left no slot taken
+    with pytest.raises(EvalError, match="noised copy"):
+        evaluate(engine, TOK, DIALOGS, [Stream(streams[0].layout, streams[0].tokens, None)], memory, judge,
+                 noised=True)
+
+
+def test_evaluate_with_llm_judge_reports_answer_quality(memory, server, monkeypatch, tmp_path):
+    def grade(req):
+        body = json.loads(req["messages"][1]["content"])
+        said = any(x.lower() in body["assistant_reply"].lower() for x in body["expected_names"] + body["expected_facts"])
+        return {"fact_score": int(said), "answer_quality": 5 if said else 2, "reason": "stand-in grader"}
+
+    server.responder = grade
+    judge = make_judge("llm", llm_cfg(server, monkeypatch), [HOME], DIALOGS, tmp_path / "j.sqlite3")
+    engine = DialogEngine(scripted_lm(), max_streams=2, l1_steps=512, l2_steps=256, ring_steps=32)
+    r = evaluate(engine, TOK, DIALOGS, make_streams(np.random.default_rng(0)), memory, judge)
+    assert r["judge"] == "llm:fake-model" and len(server.requests) == 5
+    assert r["l1"] == {"fact_score": 0.75, "n": 4, "unjudged": 0,  # the LLM grades "Fine." too (expects nothing)
+                       "greetings": {"fact_score": 1.0, "n": 2}, "answers": {"fact_score": 0.5, "n": 2}}
+    assert r["answer_quality"] == {"mean": (5 * 4 + 2) / 5, "n": 5}
+
+
+def test_run_eval_on_a_dataset_folder(tmp_path, monkeypatch):
+    """The command on a dataset folder's held-out streams: the model and its empty-MemChunk peer in one run,
+    a JSON report and a PNG (the tiny preset at full size: one stream, the clean condition)."""
+    monkeypatch.delenv("EGOMEM_CONFIG", raising=False)
+    streams = make_streams(np.random.default_rng(0))
+    layouts = [StreamLayout(s.layout.stream, s.layout.n_steps, s.layout.dialogs, 0, {"split": "heldout"})
+               for s in streams]
+    tokens = {s.layout.stream: s.tokens for s in streams} | {f"{s.layout.stream}-noised": s.noised for s in streams}
+    manifest = {"n1": 512, "n2": 256, "tokenizer": "byte", "codec": "hand-made", "seed": 0}
+    write_dataset(tmp_path / "data", manifest, [HOME], DIALOGS, tokens, [], layouts)
+    out = tmp_path / "report" / "eval.json"
+    data = str(tmp_path / "data")
+    assert main(["--data", data, "--judge", "rules", "--peer-empty", "--conditions", "clean", "--limit-streams", "1",
+                 "--fps-ticks", "2", "--batch", "2", "--out", str(out)]) == 0  # what `egomem eval-dialog` runs
+    report = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert [m["name"] for m in report["models"]] == ["model", "model (empty MemChunks)"]
+    model, empty = report["models"]
+    assert report["streams"] == 1 and report["conditions"] == ["clean"] and report["judge"] == "rules"
+    assert empty["clean"]["writes"]["l1_writes"] == 0 and model["clean"]["writes"]["l1_writes"] == 2
+    assert model["clean"]["l1"]["n"] == 2 and model["clean"]["l2"]["n"] == 1 and "fps" not in empty
+    fps = model["fps"]["engine"]
+    assert fps["l1"]["streams"] == 2 and fps["l1"]["ticks"] == 2 and fps["l2"]["frames_per_s"] > 0
+    p = argparse.ArgumentParser()
+    p.add_argument("--config")
+    add_eval_args(p)
+    assert run_eval(p.parse_args(["--data", data, "--peer", "nope", "--out", str(out)])) == 2
+
+
+def test_served_fps_through_a_real_tritonserver(tmp_path):
+    """Throughput of `dialog_lm` as served (tiny preset, its full MemChunk sizes): L1 then L2 written through the
+    wire, timed ticks of every stream; a refresh the model refuses is an error naming why, not a figure."""
+    cfg = test_config(tmp_path)
+    r = served_fps(cfg, ["name: Ada Stone\nlives in Oslo"], ["Bea is Ada's sister. Bea plays tennis."], streams=2,
+                   ticks=3, warmup=1)
+    assert r["device"] == "cpu"
+    for level in ("l1", "l2"):
+        assert r[level]["streams"] == 2 and r[level]["ticks"] == 3
+        assert r[level]["frames_per_s"] > 0 and r[level]["p99_ms"] >= r[level]["p50_ms"] > 0
+    with pytest.raises(ServedTickError, match="holds 256 steps"):  # an L2 text longer than its chunk
+        served_fps(test_config(tmp_path / "again"), ["Ada"], ["x" * 400], streams=2,
+                   ticks=1, warmup=0)

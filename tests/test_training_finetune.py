@@ -1,0 +1,350 @@
+"""`egomem finetune` (issue #13 point 6): batches, masks, the loop, resume, checkpoints, LoRA.
+
+A tiny LMModel (dim 64, 2 layers; byte-level text vocabulary) on hand-made samples held in memory:
+each stream has a reply of text bytes and speak codes under its masks; L1 holds the person's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from moshi.utils.compile import no_compile
+from safetensors.torch import load_file, save_file
+
+from egomem.dialog import DialogEngine
+from egomem.dialog.checkpoint import CheckpointError, build_lm
+from egomem.dialog.tokenizer import ByteTokenizer
+from egomem.training.batch import SampleError, SampleOrder, make_batch
+from egomem.training.finetune import (
+    TrainConfig,
+    add_finetune_args,
+    finetune,
+    lr_factor,
+    pick_eval_samples,
+    run_finetune,
+    train,
+)
+from egomem.training.forward import chunk_rows, forward, masked_loss
+from egomem.training.types import Sample, Span
+
+TINY = dict(dim=64, num_heads=2, num_layers=2, card=32, text_card=260, context=64, depformer_dim=32,
+            depformer_dim_feedforward=64, depformer_num_heads=2, depformer_num_layers=1)
+N1, N2 = 16, 8  # MemChunk steps; the dialog window is context - N1 - N2 = 40
+WINDOW = TINY["context"] - N1 - N2
+TOK = ByteTokenizer()
+NAMES = ["Ada", "Bob", "Cy", "Dee"]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+class MemData:
+    """The `DataSource` protocol in memory (what egomem.training.dataset.Dataset reads from disk)."""
+
+    def __init__(self, samples: list[Sample], streams: dict[str, np.ndarray]):
+        self.manifest = {"format": "egomem-memchunk-v1", "n1": N1, "n2": N2, "tokenizer": "byte", "codec": "test",
+                         "seed": 0}
+        self.samples, self.streams = samples, streams
+
+    def tokens(self, stream_id: str) -> np.ndarray:
+        return self.streams[stream_id].astype(np.int64)
+
+
+def _stream(seed: int, T: int, at: int, reply: str) -> np.ndarray:
+    """Aligned [17, T]: text pad except the reply's bytes from frame `at`; random speak/listen codes."""
+    g = np.random.default_rng(seed)
+    s = np.empty((17, T), dtype=np.int64)
+    s[0] = TOK.pad_id
+    ids = TOK.encode(reply)
+    s[0, at:at + len(ids)] = ids
+    s[1:] = g.integers(0, TINY["card"], (16, T))
+    return s
+
+
+def _sample(i: int, name: str, T: int = 30, at: int = 8, **kw) -> tuple[Sample, np.ndarray]:
+    reply = f"hi {name}!"
+    n = len(TOK.encode(reply))
+    s = Sample(stream=f"s{i}", kind="l1_response", l1_text=f"name: {name}", l2_text=kw.pop("l2", ""),
+               text=kw.pop("text", (Span(at - 2, at + n + 1),)), speak=kw.pop("speak", (Span(at, at + n),)),
+               dialog=0, turn=0, generator="test")
+    return s, _stream(100 + i, T, at, reply)
+
+
+def _data(n: int = 4) -> MemData:
+    pairs = [_sample(i, NAMES[i % len(NAMES)], T=24 + 3 * i) for i in range(n)]
+    return MemData([p[0] for p in pairs], {p[0].stream: p[1] for p in pairs})
+
+
+def _cfg(tmp_path, name: str, **kw) -> TrainConfig:
+    base = dict(data=None, out=tmp_path / name, model_overrides=TINY, steps=8, batch_size=2, lr=3e-3, min_lr=3e-4,
+                warmup=2, seed=0, ckpt_every=3, eval_samples=4, device="cpu", dtype="float32")
+    return TrainConfig(**(base | kw))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return build_lm("tiny", seed=0, **TINY)
+
+
+def _loss(model, data: MemData) -> float:
+    batch = make_batch(model, TOK, [(s, data.tokens(s.stream)) for s in data.samples], N1, N2)
+    with torch.no_grad(), no_compile():
+        out = forward(model, batch.chunks, batch.stream)
+    return float(masked_loss(out, batch.text_mask, batch.speak_mask, 3, 0.5, 100.0)[0])
+
+
+# ---------------------------------------------------------------- batches and masks
+
+
+def test_batch_layout_crop_and_padding(lm):
+    short = _sample(0, "Ada", T=30, at=8)  # reply "hi Ada!" (7 bytes): text frames 6..15, speak 8..14
+    long_ = _sample(1, "Bob", T=90, at=70)  # text 68..77, speak 70..76: past the window, cropped from the left
+    b = make_batch(lm, TOK, [short, long_], N1, N2)
+    assert b.chunks.shape == (2, 17, N1 + N2)
+    assert torch.equal(b.chunks[0], torch.cat([chunk_rows(lm, TOK.encode("name: Ada"), N1), chunk_rows(lm, [], N2)], 1))
+    # row 0 ends at the last supervised tick: text frame 15, speak frame 14 generated at tick 14 + delay 1
+    assert b.lengths[0] == 16 and b.crop_start[0] == 0
+    assert torch.equal(b.stream[0, :, :16], torch.as_tensor(short[1][:, :16]))
+    # row 1 ends at tick 77; only the last WINDOW frames are kept, its spans shifted by the crop
+    start = 78 - WINDOW
+    assert b.lengths[1] == WINDOW and b.crop_start[1] == start
+    assert torch.equal(b.stream[1], torch.as_tensor(long_[1][:, start:78]))
+    assert b.text_mask[1].nonzero().flatten().tolist() == list(range(68 - start, 78 - start))
+    assert b.speak_mask[1].nonzero().flatten().tolist() == list(range(70 - start, 77 - start))
+    # padding of row 0: text pad, moshi's zero token, masked out
+    assert b.stream.shape[2] == WINDOW
+    assert (b.stream[0, 0, 16:] == lm.text_padding_token_id).all() and (b.stream[0, 1:, 16:] == -1).all()
+    assert not b.text_mask[0, 16:].any() and not b.speak_mask[0, 16:].any()
+
+
+def test_loss_reads_only_masked_frames_and_padding_is_invisible(lm):
+    a, b_ = _sample(0, "Ada", T=30, at=8), _sample(1, "Bob", T=60, at=30)
+    batch = make_batch(lm, TOK, [a, b_], N1, N2)
+    with no_compile():
+        out = forward(lm, batch.chunks, batch.stream)
+        out.text_logits.retain_grad()
+        out.audio_logits.retain_grad()
+        loss, _ = masked_loss(out, batch.text_mask, batch.speak_mask, 3, 0.5, 100.0)
+        loss.backward()
+    text_grad = out.text_logits.grad.abs().sum(-1)  # [B, T]
+    assert torch.equal(text_grad > 0, batch.text_mask)
+    for k, d in enumerate(lm.delays[1:9]):  # codebook k's tick t predicts frame t - d
+        ticks = torch.zeros_like(batch.speak_mask)
+        ticks[:, d:] = batch.speak_mask[:, :ticks.shape[1] - d]
+        assert torch.equal(out.audio_logits.grad[:, k].abs().sum(-1) > 0, ticks), k
+    # the padded row's real frames see exactly what they see alone (causal model, right padding)
+    alone = make_batch(lm, TOK, [a], N1, N2)
+    with torch.no_grad(), no_compile():
+        ref = forward(lm, alone.chunks, alone.stream)
+    L = alone.lengths[0]
+    torch.testing.assert_close(out.text_logits[0, :L].detach(), ref.text_logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_bad_samples_name_themselves(lm):
+    nothing = _sample(0, "Ada", text=(Span(5, 5),), speak=())
+    with pytest.raises(SampleError, match=r"s0/l1_response/dialog0/turn0 supervises nothing"):
+        make_batch(lm, TOK, [nothing], N1, N2)
+    s, toks = _sample(1, "Bob")
+    long_l1 = (dataclasses.replace(s, l1_text="name: " + "Bob" * 10), toks)
+    with pytest.raises(SampleError, match=r"s1/.*Level-1 MemChunk text is 36 tokens.*holds 16"):
+        make_batch(lm, TOK, [long_l1], N1, N2)
+    s, toks = _sample(2, "Cy")  # text span 6..14
+    with pytest.raises(SampleError, match=r"s2/.*reach frame 15 but stream s2 has 12 frames"):
+        make_batch(lm, TOK, [(s, toks[:, :12])], N1, N2)
+    s, toks = _sample(3, "Dee")
+    toks[5, 3] = TINY["card"]  # a code from a bigger codec
+    with pytest.raises(SampleError, match=r"s3/.*outside the model's codebooks \[0, 32\)"):
+        make_batch(lm, TOK, [(s, toks)], N1, N2)
+
+
+def test_sample_order_is_seeded_epochwise_and_resumable():
+    a = SampleOrder(5, seed=3)
+    first = a.take(3) + a.take(3) + a.take(4)  # two epochs
+    assert sorted(first[:5]) == list(range(5)) and sorted(first[5:]) == list(range(5))
+    b = SampleOrder(5, seed=3)
+    b.take(4)
+    c = SampleOrder(5, seed=3)
+    c.load_state_dict(b.state_dict())
+    assert c.take(6) == first[4:] == b.take(6)
+    assert SampleOrder(5, seed=4).take(5) != first[:5]
+
+
+def test_eval_samples_are_of_the_trained_kinds_seeded():
+    pairs = [_sample(i, NAMES[i % len(NAMES)]) for i in range(6)]
+    samples = [dataclasses.replace(s, kind="l2_query") if i % 2 else s for i, (s, _) in enumerate(pairs)]
+    held = MemData(samples, {s.stream: t for s, t in pairs})
+    picked = pick_eval_samples(held, {"l1_response"}, 2, seed=0)
+    assert len(picked) == 2 and {s.kind for s in picked} == {"l1_response"}
+    assert picked == pick_eval_samples(held, {"l1_response"}, 2, seed=0)  # the same subset at every evaluation
+    assert len(pick_eval_samples(held, {"l1_response", "l2_query"}, 9, seed=0)) == 6
+    with pytest.raises(SampleError, match=r"no samples of the kinds.*\['l2_response'\].*same --levels"):
+        pick_eval_samples(held, {"l2_response"}, 2, seed=0)
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    f = [lr_factor(s, 100, 10, 0.1) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(x >= y for x, y in zip(f[10:], f[11:]))
+    assert lr_factor(100, 100, 10, 0.1) == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    cfg = _cfg(tmp_path_factory.mktemp("ft"), "run", steps=30, eval_every=10)
+    return cfg, train(cfg, _data(), progress=False)
+
+
+def test_short_run_lowers_masked_loss(trained, lm):
+    cfg, res = trained
+    data = _data()
+    before, after = _loss(lm, data), _loss(res.lm, data)
+    assert after < 0.5 * before, (before, after)
+    out = cfg.out
+    records = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 31))
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [10, 20, 30]
+    card = json.loads((out / "model_card.json").read_text())
+    assert card["steps"] == 30 and card["final_loss"] == pytest.approx(np.mean(res.losses[-10:]))
+    assert len(card["data"]["fingerprint_sha256"]) == 64 and card["data"]["samples"] == 4
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_checkpoint_loads_into_dialog_engine(trained):
+    cfg, res = trained
+    loaded = build_lm("tiny", weights=res.path, **TINY)
+    want = res.lm.state_dict()
+    assert set(loaded.state_dict()) == set(want)
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+    # the engine, stepping the loaded checkpoint greedily, gives the trained model's teacher-forced logits
+    eng = DialogEngine(loaded, max_streams=1, l1_steps=N1, l2_steps=N2)
+    slot = eng.open()
+    l1 = TOK.encode("name: Ada")
+    eng.write_memchunk(slot, 1, l1)
+    T = 20
+    listen = torch.randint(0, TINY["card"], (T + 1, 8), generator=torch.Generator().manual_seed(5))
+    stream = torch.zeros(1, 17, T, dtype=torch.long)
+    logits = torch.zeros(1, T, TINY["text_card"])
+    for tick in range(T + 1):
+        text, speak, lg = eng.step([slot], listen[tick:tick + 1], return_logits=True)
+        if tick < T:
+            logits[0, tick], stream[0, 9:, tick] = lg[0], listen[tick]
+        if tick >= 1:
+            stream[0, 0, tick - 1], stream[0, 1:9, tick - 1] = text[0], speak[0]
+    chunks = torch.cat([chunk_rows(res.lm, l1, N1), chunk_rows(res.lm, [], N2)], 1)[None]
+    with torch.no_grad(), no_compile():
+        out = forward(res.lm, chunks, stream)
+    torch.testing.assert_close(out.text_logits, logits, atol=1e-4, rtol=1e-4)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    data = _data()
+    whole = finetune(_cfg(tmp_path, "whole"), data, progress=False)
+    part = _cfg(tmp_path, "part", stop_after=4)
+    ckpt = finetune(part, data, progress=False)
+    assert ckpt.name == "state.pt" and not (part.out / "lm.safetensors").exists()
+    with pytest.raises(FileExistsError, match="--resume"):
+        finetune(part, data, progress=False)
+    with pytest.raises(ValueError, match=r"lr \(0.003 -> 0.001\)"):
+        finetune(_cfg(tmp_path, "part", lr=1e-3, resume=True), data, progress=False)
+    resumed = finetune(_cfg(tmp_path, "part", resume=True), data, progress=False)
+    a, b = load_file(str(whole)), load_file(str(resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    loss = [[json.loads(x)["loss"] for x in (p.parent / "loss.jsonl").read_text().splitlines()] for p in (whole, resumed)]
+    assert loss[0] == loss[1] and len(loss[0]) == 8 + 1  # 8 steps + the final evaluation
+
+
+def test_lora_trains_only_adapters_and_merges(tmp_path, lm):
+    data = _data()
+    res = train(_cfg(tmp_path, "lora", lora=True, lora_rank=4, lora_alpha=8.0, lr=1e-2, min_lr=1e-3, steps=6),
+                data, progress=False)
+    base = lm.state_dict()
+    trained = res.lm.state_dict()
+    lora_keys = [k for k in trained if ".lora_" in k]
+    assert lora_keys and all(".transformer." in f".{k}" or k.startswith("depformer.") for k in lora_keys)
+    for k, v in trained.items():
+        plain = k.replace(".frozen_W.", ".")
+        if ".lora_" not in k:
+            assert torch.equal(v, base[plain]), f"{k} changed: only LoRA adapters may train"
+    assert any(trained[k].abs().sum() > 0 for k in lora_keys if ".lora_B." in k)
+    assert _loss(res.lm, data) < _loss(lm, data)
+    merged = build_lm("tiny", weights=res.path, **TINY)  # a plain LMModel: strict key and shape check
+    assert not any(".lora_" in k for k in merged.state_dict())
+    assert not torch.equal(merged.state_dict()["transformer.layers.0.gating.linear_in.weight"],
+                           base["transformer.layers.0.gating.linear_in.weight"])
+    batch = make_batch(lm, TOK, [(s, data.tokens(s.stream)) for s in data.samples], N1, N2)
+    with torch.no_grad(), no_compile():
+        want, got = forward(res.lm, batch.chunks, batch.stream), forward(merged, batch.chunks, batch.stream)
+    torch.testing.assert_close(got.text_logits, want.text_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.audio_logits, want.audio_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_lora_path_keeps_fp32_masters_and_resumes_exactly(tmp_path):
+    """The 7B recipe's code path (bf16 weights, fp32 master weights and optimiser state, LoRA), at tiny size on CPU."""
+    data = _data()
+    kw = dict(dtype="bfloat16", lora=True, lora_rank=4, lora_alpha=8.0, lr=1e-2, min_lr=1e-3, steps=6)
+    whole = train(_cfg(tmp_path, "whole", **kw), data, progress=False)
+    assert np.mean(whole.losses[-2:]) < whole.losses[0]
+    finetune(_cfg(tmp_path, "part", stop_after=3, **kw), data, progress=False)
+    state = torch.load(tmp_path / "part" / "ckpt" / "state.pt", weights_only=False)
+    assert state["trained"] and all(v.dtype == torch.float32 for v in state["trained"].values())
+    resumed = finetune(_cfg(tmp_path, "part", resume=True, **kw), data, progress=False)
+    a, b = load_file(str(whole.path)), load_file(str(resumed))
+    assert all(v.dtype == torch.bfloat16 for v in a.values())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    build_lm("tiny", weights=resumed, dtype=torch.bfloat16, **TINY)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="training data folder .*nowhere does not exist"):
+        finetune(_cfg(tmp_path, "x", data=tmp_path / "nowhere"), progress=False)
+    wrong = tmp_path / "wrong.safetensors"
+    save_file(build_lm("tiny", seed=0, **(TINY | dict(dim=32))).state_dict(), str(wrong))
+    with pytest.raises(CheckpointError, match="shape mismatches"):
+        finetune(_cfg(tmp_path, "y", init_weights=wrong), _data(), progress=False)
+    nothing = _sample(9, "Ada", text=(), speak=(Span(3, 3),))[0]
+    data = _data()
+    data.samples.append(nothing)
+    with pytest.raises(SampleError, match="s9/.*supervises nothing"):
+        finetune(_cfg(tmp_path, "z"), data, progress=False)
+    with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
+        finetune(_cfg(tmp_path, "w", resume=True), _data(), progress=False)
+
+
+def test_cli_trains_the_tiny_preset_from_a_dataset_folder(tmp_path, monkeypatch, capsys):
+    """`egomem finetune --data DIR`: the on-disk format (egomem.training.dataset) in, dialog.weights out."""
+    from egomem.training.dataset import write_dataset
+
+    monkeypatch.delenv("EGOMEM_CONFIG", raising=False)
+    mem = _data()
+    manifest = {k: mem.manifest[k] for k in ("n1", "n2", "tokenizer", "codec", "seed")}
+    write_dataset(tmp_path / "ds", manifest, [], [], mem.streams, mem.samples)
+    p = argparse.ArgumentParser()
+    add_finetune_args(p)
+    args = p.parse_args(["--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--steps", "2",
+                         "--batch-size", "2", "--threads", "1", "--no-progress"])
+    args.config = None
+    assert run_finetune(args) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["complete"] is True
+    card = json.loads((tmp_path / "run" / "model_card.json").read_text())
+    assert card["preset"] == "tiny" and card["data"]["n1"] == N1 and card["data"]["samples"] == 4
+    build_lm("tiny", weights=tmp_path / "run" / "lm.safetensors")  # what [dialog] weights = ... loads
+
+
+def test_cli_reports_bad_input(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    add_finetune_args(p)
+    args = p.parse_args(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o"), "--no-progress"])
+    args.config = None
+    assert run_finetune(args) == 2
+    assert "does not exist" in capsys.readouterr().err
