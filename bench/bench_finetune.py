@@ -12,6 +12,8 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
 
     python bench/bench_finetune.py                    # the run (fine-tuning <= 30 min on 2 cores)
     python bench/bench_finetune.py --steps 20 --train-households 10 --heldout-households 2   # a smoke run
+    python bench/bench_finetune.py --train-levels 1,2 --work runs/bench_finetune_l12 \
+        --out bench/results/bench_finetune_l12.json                                   # Level 1 + Level 2
 
 Writes bench/results/bench_finetune.json (+ .png: the loss curve and Fact Score per model) and keeps the
 datasets and the run folder under --work (delete it to start again; an existing run is resumed).
@@ -43,6 +45,8 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_finetune")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "bench_finetune.json")
     p.add_argument("--train-households", type=int, default=400)
+    p.add_argument("--train-levels", default="1", help="dialog levels to train on (the issue's run: 1; '1,2' adds "
+                   "Level-2 query and response samples)")
     p.add_argument("--heldout-households", type=int, default=16)
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--batch-size", type=int, default=4)
@@ -59,7 +63,7 @@ def main() -> int:
     if not (train / "manifest.json").exists():
         times["make_corpus_train_s"] = egomem("make-corpus", "--out", str(train), "--households",
                                               str(args.train_households), "--split", "train", "--seed",
-                                              str(args.seed), "--levels", "1", "--generator", "template")
+                                              str(args.seed), "--levels", args.train_levels, "--generator", "template")
     if not (heldout / "manifest.json").exists():
         times["make_corpus_heldout_s"] = egomem("make-corpus", "--out", str(heldout), "--households",
                                                 str(args.heldout_households), "--split", "heldout", "--seed",
@@ -79,7 +83,7 @@ def main() -> int:
     report = json.loads(eval_json.read_text())
     losses = [json.loads(x) for x in (run / "loss.jsonl").read_text().splitlines() if x.strip()]
     result = {
-        "what": "tiny preset fine-tuned on Level-1 MemChunk data (CPU), Fact Score on held-out people",
+        "what": f"tiny preset fine-tuned on Level-{args.train_levels} MemChunk data (CPU), Fact Score on held-out people",
         "command": "python bench/bench_finetune.py " + " ".join(sys.argv[1:]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "times_s": times,
