@@ -8,6 +8,8 @@ import collections
 import time
 from dataclasses import dataclass
 
+from egomem.dialog.memchunk_text import fit
+
 
 @dataclass
 class Refresh:
@@ -36,15 +38,3 @@ class MemChunk:
         """The refresh to apply with this tick's dialog step, if one is waiting."""
         return self._waiting.popleft() if self._waiting else None
 
-
-def fit(text: str, max_bytes: int) -> str:
-    """Cut `text` to at most `max_bytes` UTF-8 bytes at a line boundary (one byte = one MemChunk step
-    with the offline byte tokenizer; SentencePiece needs fewer steps, never more)."""
-    out, used = [], 0
-    for line in text.split("\n"):
-        cost = len(line.encode("utf-8")) + (1 if out else 0)
-        if used + cost > max_bytes:
-            break
-        out.append(line)
-        used += cost
-    return "\n".join(out)

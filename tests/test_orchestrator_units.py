@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from egomem import protocol as P
+from egomem.dialog.memchunk_text import fit as _fit
 from egomem.orchestrator.grid import GridClock
-from egomem.orchestrator.memchunk import fit as _fit
 from egomem.orchestrator.metrics import Metrics
 from egomem.orchestrator.recording import Recorder
 from egomem.orchestrator.ws import Outbox, RateLimit

@@ -16,8 +16,8 @@ import pytest
 from llm_server import FakeOpenAIServer
 
 from egomem.config import load_config
+from egomem.dialog.memchunk_text import fit
 from egomem.memory.llm import LLMClient, LLMFailed
-from egomem.orchestrator.memchunk import fit
 from egomem.training.corpus import (
     GENERATOR,
     MAX_GREETING_CHARS,

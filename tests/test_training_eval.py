@@ -18,6 +18,7 @@ from llm_server import FakeOpenAIServer
 from egomem.config import load_config
 from egomem.dialog import DialogEngine
 from egomem.dialog.checkpoint import build_lm
+from egomem.dialog.memchunk_text import fit
 from egomem.dialog.tokenizer import ByteTokenizer
 from egomem.memory.llm import LLMClient
 from egomem.memory.sqlite import SQLiteMemoryStore
@@ -25,7 +26,7 @@ from egomem.retrieval.query import RetrievalQuery, parse_query
 from egomem.training.corpus import make_corpus
 from egomem.training.dataset import write_dataset
 from egomem.training.eval_dialog import add_eval_args, fact_vocabulary, load_people, main, run_eval
-from egomem.training.evaluate import EvalError, evaluate, fit_text
+from egomem.training.evaluate import EvalError, evaluate
 from egomem.training.judge import JudgeError, LLMJudge, RuleJudge, TurnCase, make_judge, query_scores
 from egomem.training.memory_text import MemoryTexts
 from egomem.training.streams import DialogLayout, Stream, StreamLayout, TurnLayout
@@ -319,7 +320,7 @@ def test_evaluate_scripted_model_every_figure_known(memory):
     # L1 at each dialog's start (stream 0: ticks 0 and 42; stream 1: tick 0), each the user's profile
     l1 = [(w[2], w[3]) for w in engine.writes if w[1] == 1]
     assert sorted(t for _, t in l1) == [0, 0, 42]
-    assert all(toks == TOK.encode(fit_text(TOK, memory.l1(u), 512)[0]) for (toks, _), u in
+    assert all(toks == TOK.encode(fit(memory.l1(u), 512)) for (toks, _), u in
                zip(l1, ["ada", "cyd", "ada"], strict=True) if toks) and all(toks for toks, _ in l1)
     # L2: the real retrieval for the PARSED query (relations only), before the tick after '>' came out
     (_, _, l2_tokens, at), = [w for w in engine.writes if w[1] == 2]

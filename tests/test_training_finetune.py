@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from egomem.dialog import DialogEngine
 from egomem.dialog.checkpoint import CheckpointError, build_lm
+from egomem.dialog.engine import memchunk_inputs
 from egomem.dialog.tokenizer import ByteTokenizer
 from egomem.training.batch import SampleError, SampleOrder, make_batch
 from egomem.training.finetune import (
@@ -29,7 +30,7 @@ from egomem.training.finetune import (
     run_finetune,
     train,
 )
-from egomem.training.forward import chunk_rows, forward, masked_loss
+from egomem.training.forward import forward, masked_loss
 from egomem.training.types import Sample, Span
 
 TINY = dict(dim=64, num_heads=2, num_layers=2, card=32, text_card=260, context=64, depformer_dim=32,
@@ -106,7 +107,7 @@ def test_batch_layout_crop_and_padding(lm):
     long_ = _sample(1, "Bob", T=90, at=70)  # text 68..77, speak 70..76: past the window, cropped from the left
     b = make_batch(lm, TOK, [short, long_], N1, N2)
     assert b.chunks.shape == (2, 17, N1 + N2)
-    assert torch.equal(b.chunks[0], torch.cat([chunk_rows(lm, TOK.encode("name: Ada"), N1), chunk_rows(lm, [], N2)], 1))
+    assert torch.equal(b.chunks[0], torch.cat([memchunk_inputs(lm, TOK.encode("name: Ada"), N1), memchunk_inputs(lm, [], N2)], 1))
     # row 0 ends at the last supervised tick: text frame 15, speak frame 14 generated at tick 14 + delay 1
     assert b.lengths[0] == 16 and b.crop_start[0] == 0
     assert torch.equal(b.stream[0, :, :16], torch.as_tensor(short[1][:, :16]))
@@ -238,7 +239,7 @@ def test_checkpoint_loads_into_dialog_engine(trained):
             logits[0, tick], stream[0, 9:, tick] = lg[0], listen[tick]
         if tick >= 1:
             stream[0, 0, tick - 1], stream[0, 1:9, tick - 1] = text[0], speak[0]
-    chunks = torch.cat([chunk_rows(res.lm, l1, N1), chunk_rows(res.lm, [], N2)], 1)[None]
+    chunks = torch.cat([memchunk_inputs(res.lm, l1, N1), memchunk_inputs(res.lm, [], N2)], 1)[None]
     with torch.no_grad(), no_compile():
         out = forward(res.lm, chunks, stream)
     torch.testing.assert_close(out.text_logits, logits, atol=1e-4, rtol=1e-4)

@@ -17,7 +17,8 @@ from moshi.utils.compile import no_compile
 
 from egomem.dialog import DialogEngine
 from egomem.dialog.checkpoint import build_lm
-from egomem.training.forward import chunk_rows, forward
+from egomem.dialog.engine import memchunk_inputs
+from egomem.training.forward import forward
 
 # tests/test_dialog_engine.py's TINY, with a context that holds the chunks and the dialog in one forward
 TINY = dict(dim=64, num_heads=2, num_layers=2, card=32, text_card=40, context=64, depformer_dim=32,
@@ -80,8 +81,8 @@ def _check_parity(lm, n1: int, n2: int, chunks: list[tuple[list[int], list[int]]
     listen = [_listen(10 + i, T, lm.card) for i in range(len(chunks))]
     stream, eng_logits = _serve(eng, chunks, listen, starts)
     assert (stream >= 0).all(), "the engine left a frame ungenerated"
-    rows = torch.stack([torch.cat([chunk_rows(lm, l1, n1, training_audio_token),
-                                   chunk_rows(lm, l2, n2, training_audio_token)], dim=1) for l1, l2 in chunks])
+    rows = torch.stack([torch.cat([memchunk_inputs(lm, l1, n1, training_audio_token),
+                                   memchunk_inputs(lm, l2, n2, training_audio_token)], dim=1) for l1, l2 in chunks])
     with torch.no_grad(), no_compile():
         out = forward(lm, rows, stream)  # [N, K, n1 + n2] chunks, [N, K, T] dialog, one batched pass
     torch.testing.assert_close(out.text_logits, eng_logits, atol=2e-5, rtol=2e-5)

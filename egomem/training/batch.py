@@ -3,7 +3,7 @@
 A sample (types.Sample) is a stream id, the L1 / L2 MemChunk texts in view and the dialog frames whose
 text / speak tokens are supervised. `make_batch` turns a list of (sample, aligned stream `[17, T]`) into
 
-- chunks `[B, K, n1 + n2]`: `chunk_rows` of the tokenised L1 and L2 texts (paper §4.1: positions 0..n1-1
+- chunks `[B, K, n1 + n2]`: `memchunk_inputs` (the engine's own) of the tokenised L1 and L2 texts (paper §4.1: positions 0..n1-1
   hold L1, n1..n1+n2-1 hold L2; an empty chunk is all text pad and still attended);
 - stream `[B, K, T]`: each sample's dialog, cropped to end at its last supervised tick (the frames after
   it only feed ticks whose loss does not count), right-padded to the batch's longest;
@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from moshi.models.lm import LMModel
 
+from egomem.dialog.engine import memchunk_inputs
 from egomem.dialog.tokenizer import TextTokenizer
 
-from .forward import N_GEN, chunk_rows
+from .forward import N_GEN
 from .types import Sample, Span
 
 
@@ -70,7 +71,7 @@ def chunk_tokens(tokenizer: TextTokenizer, sample: Sample, n1: int, n2: int) -> 
         if len(ids) > cap:
             raise SampleError(f"sample {sample_name(sample)}: its Level-{level} MemChunk text is {len(ids)} tokens, "
                               f"the chunk holds {cap} steps; cut it when writing the dataset as serving does "
-                              f"(orchestrator/memchunk.py fit: whole lines up to the chunk size)")
+                              f"(egomem.dialog.memchunk_text.fit: whole lines up to the chunk size)")
         out.append(ids)
     return out[0], out[1]
 
@@ -145,7 +146,7 @@ def make_batch(lm: LMModel, tokenizer: TextTokenizer, items: list[tuple[Sample, 
                               f"{int(audio_rows.max())}, outside the model's codebooks [0, {lm.card}); "
                               f"was the dataset written with another Mimi?")
         l1, l2 = chunk_tokens(tokenizer, sample, n1, n2)
-        chunks.append(torch.cat([chunk_rows(lm, l1, n1), chunk_rows(lm, l2, n2)], dim=1))  # [K, n1 + n2]
+        chunks.append(torch.cat([memchunk_inputs(lm, l1, n1), memchunk_inputs(lm, l2, n2)], dim=1))  # [K, n1 + n2]
         tm = _frame_mask(sample.text, start, L)
         # speak frame f needs tick f + max_delay inside this row (a padded tick is not the real next step)
         sm = _frame_mask(sample.speak, start, L)

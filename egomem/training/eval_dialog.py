@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 from egomem.dialog.engine import DialogEngine
+from egomem.dialog.memchunk_text import fit
 from egomem.dialog.tokenizer import TextTokenizer
 
-from .evaluate import EvalError, evaluate, fit_text
+from .evaluate import EvalError, evaluate
 from .streams import Stream
 from .types import Dialog
 
@@ -176,8 +177,7 @@ def run_eval(args: Any) -> int:
                     for d in s.layout.dialogs for u in d.turns if dialogs[d.index].turns[u.turn].query][:args.batch]
         l2_texts = l2_texts or l1_texts  # no Level-2 turn: any text loads the L2 MemChunk alike
         n1, n2 = engine_cfg.l1_steps, engine_cfg.l2_steps
-        l1_texts, l2_texts = [fit_text(tokenizer, t, n1)[0] for t in l1_texts], [fit_text(tokenizer, t, n2)[0]
-                                                                                  for t in l2_texts]
+        l1_texts, l2_texts = [fit(t, n1) for t in l1_texts], [fit(t, n2) for t in l2_texts]
         l1_ids, l2_ids = [tokenizer.encode(t) for t in l1_texts], [tokenizer.encode(t) for t in l2_texts]
         results = []
         for name, weights, use_memory in models:

@@ -31,6 +31,7 @@ import torch
 from moshi.models.lm import LMModel
 
 from egomem.dialog.engine import DialogEngine
+from egomem.dialog.memchunk_text import fit
 from egomem.dialog.serving import DialogRequest, DialogResult, DialogStreamPool
 from egomem.dialog.tokenizer import TextTokenizer
 from egomem.retrieval.query import RetrievalQuery, parse_query
@@ -55,21 +56,11 @@ class MemorySource(Protocol):
     def l2(self, user_id: str, query: Query) -> str: ...
 
 
-def fit_text(tokenizer: TextTokenizer, text: str, cap: int) -> tuple[str, bool]:
-    """`text` with whole lines dropped from the end until it fits `cap` MemChunk steps (as the orchestrator's
-    `fit` cuts a profile); (text, whether anything was cut)."""
-    lines = text.split("\n")
-    for n in range(len(lines), 0, -1):
-        kept = "\n".join(lines[:n])
-        if len(tokenizer.encode(kept)) <= cap:
-            return kept, n < len(lines)
-    return "", bool(text)
-
-
 def fit_tokens(tokenizer: TextTokenizer, text: str, cap: int) -> tuple[list[int], bool]:
-    """`fit_text`'s token ids."""
-    kept, cut = fit_text(tokenizer, text, cap)
-    return tokenizer.encode(kept), cut
+    """`text` cut to `cap` MemChunk steps as serving cuts it (`memchunk_text.fit`), as token ids; and whether
+    anything was cut."""
+    kept = fit(text, cap)
+    return tokenizer.encode(kept), kept != text
 
 
 def decode(tokenizer: TextTokenizer, ids: Sequence[int]) -> str:

@@ -23,15 +23,7 @@ import torch
 import torch.nn.functional as F
 from moshi.models.lm import LMModel
 
-from egomem.dialog.engine import memchunk_inputs
-
 N_GEN = 9  # text + 8 speak rows: what the model produces
-
-
-def chunk_rows(lm: LMModel, tokens: list[int] | torch.Tensor, steps: int, chunk_audio_token: int | None = None
-               ) -> torch.Tensor:
-    """One MemChunk as model input `[K, steps]`, exactly as the engine writes it (`memchunk_inputs`)."""
-    return memchunk_inputs(lm, tokens, steps, chunk_audio_token)
 
 
 def dialog_inputs(lm: LMModel, stream: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,8 @@
 The households go into a real `SQLiteMemoryStore` (in a temporary folder, removed on `close`);
 then
 - Level 1 = the person's profile as `MemoryStore.render_profile` writes it, cut at a line boundary
-  to `l1_bytes` UTF-8 bytes: the text the orchestrator puts into the Level-1 MemChunk (it renders
-  with `memory.profile_max_chars` and cuts with `orchestrator/memchunk.py fit`; render_profile's
-  own line cut gives the same text, see `l1`);
+  to `l1_bytes` UTF-8 bytes with serving's own `egomem.dialog.memchunk_text.fit`: the text the
+  orchestrator puts into the Level-1 MemChunk;
 - Level 2 = the real Level-2 retrieval (`Level2Retriever`: BM25 on relation words, re-rank with the
   text encoder, fit `l2_bytes`) over the store's `neighbour_memories`, for the query serving would
   parse off the model's text channel (`parse_query(query.text())`), rendered one document per line
@@ -21,8 +20,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from egomem.config import RetrievalConfig
+from egomem.dialog.memchunk_text import fit
 from egomem.memory.sqlite import SQLiteMemoryStore
-from egomem.retrieval import Level2Retriever, Neighbour, byte_count, parse_query, render
+from egomem.retrieval import Level2Retriever, Neighbour, parse_query, render
 from egomem.retrieval.encoder import TextEncoder, build_text_encoder
 from egomem.training.types import Household, Query
 
@@ -77,19 +77,10 @@ class MemoryTexts:
             raise KeyError(f"no person {user_id!r} in these MemoryTexts; pass their household first") from None
 
     def l1(self, user_id: str) -> str:
-        """The Level-1 MemChunk text: the rendered profile's first lines that fit `l1_bytes` bytes.
-
-        Serving cuts `render_profile(uid, profile_max_chars)` to the longest line prefix of at most
-        l1_bytes bytes (orchestrator fit). render_profile keeps the longest line prefix of at most
-        max_chars - 1 characters, so max_chars = l1_bytes + 1 is that text whenever characters are
-        bytes; a multi-byte character can only make it longer, and each further call drops its last
-        line until the bytes fit: the same prefix. tests/test_training_corpus.py checks it against fit.
-        """
-        sid = self._sid(user_id)
-        text = self.store.render_profile(sid, max_chars=self.l1_bytes + 1)
-        while byte_count(text) > self.l1_bytes:
-            text = self.store.render_profile(sid, max_chars=len(text))
-        return text
+        """The Level-1 MemChunk text: the rendered profile's first lines that fit `l1_bytes` bytes, cut as
+        the orchestrator cuts it (rendering at most l1_bytes characters first loses nothing: a line prefix
+        of at most l1_bytes bytes has at most that many characters)."""
+        return fit(self.store.render_profile(self._sid(user_id), max_chars=self.l1_bytes + 1), self.l1_bytes)
 
     @property
     def retriever(self) -> Level2Retriever:
