@@ -56,7 +56,8 @@ def _summary(times_ms: list[float], B: int) -> dict:
             "stream_steps_per_s": B * len(times_ms) / (sum(times_ms) / 1e3)}
 
 
-def bench_ticks(lm, B: int, warmup: int, steps: int, l1: int, l2: int, ring: int | None) -> tuple[dict, dict, dict]:
+def bench_ticks(lm, B: int, warmup: int, steps: int, l1: int, l2: int, ring: int | None,
+                kv_dtype: torch.dtype | None = None) -> tuple[dict, dict, dict]:
     """(engine, engine with a full ring, LMGen) tick timings at batch B, their ticks interleaved so machine
     noise hits all alike. The engine's streams are young (their ring holds only the timed steps); on CPU
     its attention reads only what the rows can see, so the full-ring engine is the cost of a stream
@@ -66,7 +67,7 @@ def bench_ticks(lm, B: int, warmup: int, steps: int, l1: int, l2: int, ring: int
     gen = LMGen(lm, use_sampling=False)
     engines = []
     for aged in (False, True):
-        eng = DialogEngine(lm, max_streams=B, l1_steps=l1, l2_steps=l2, ring_steps=ring)
+        eng = DialogEngine(lm, max_streams=B, l1_steps=l1, l2_steps=l2, ring_steps=ring, kv_dtype=kv_dtype)
         slots = [eng.open() for _ in range(B)]
         g = torch.Generator().manual_seed(0)
         for s in slots:  # MemChunks filled: memory text then text-pad, as served
@@ -79,8 +80,8 @@ def bench_ticks(lm, B: int, warmup: int, steps: int, l1: int, l2: int, ring: int
     with gen.streaming(B):
         for i in range(warmup + steps):
             t_ref = _time(lambda: gen.step(codes[..., None]), lm.device)
-            t_ours = _time(lambda: engines[0][0].step(engines[0][1], codes), lm.device)
-            t_old = _time(lambda: engines[1][0].step(engines[1][1], codes), lm.device)
+            t_ours = _time(lambda: engines[0][0].tick(engines[0][1], codes), lm.device)  # the served tick
+            t_old = _time(lambda: engines[1][0].tick(engines[1][1], codes), lm.device)
             if i >= warmup:  # first steps are slow (allocator, caches)
                 ref.append(t_ref), ours.append(t_ours), old.append(t_old)
     return _summary(ours, B), _summary(old, B), _summary(ref, B)
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--l2", type=int, default=256)
     ap.add_argument("--ring", type=int, default=None, help="default: model context - l1 - l2")
     ap.add_argument("--dialog-steps", type=int, default=2048, help="dialog steps re-prefilled in the refresh peer")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8"], help="engine KV cache: model dtype or fp8")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (0: torch default); 1: on a shared 2-core box more threads spin-wait")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "bench_dialog.json")
@@ -130,7 +132,8 @@ def main() -> None:
     rows = []
     with torch.no_grad(), no_compile():
         for B in batches:
-            ours, old, ref = bench_ticks(lm, B, args.warmup, args.steps, args.l1, args.l2, args.ring)
+            kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
+            ours, old, ref = bench_ticks(lm, B, args.warmup, args.steps, args.l1, args.l2, args.ring, kv_dtype)
             rows.append({"B": B, "lmgen": ref, "engine": ours, "engine_full_ring": old,
                          "ratio_stream_steps": ours["stream_steps_per_s"] / ref["stream_steps_per_s"],
                          "ratio_stream_steps_full_ring": old["stream_steps_per_s"] / ref["stream_steps_per_s"],
@@ -146,7 +149,7 @@ def main() -> None:
           f"{refresh['reprefill_ms']:.1f} ms -> {refresh['refresh_over_reprefill']:.3f}x")
     within = [r["B"] for r in rows if r["engine_within_80ms"]]
     result = {
-        "device": args.device, "preset": args.preset, "dtype": str(dtype).removeprefix("torch."),
+        "device": args.device, "preset": args.preset, "dtype": str(dtype).removeprefix("torch."), "kv_dtype": args.kv_dtype,
         "threads": torch.get_num_threads(), "l1": args.l1, "l2": args.l2, "steps": args.steps,
         "params_m": sum(p.numel() for p in lm.parameters()) / 1e6,
         "ticks": rows, "refresh": refresh, "max_streams_within_80ms_p99": max(within) if within else 0,

@@ -115,6 +115,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 # Jobs with their own parsers (module.main(argv)); imported only when run, so `egomem --help` stays light.
 JOBS = {
+    "train-codec": ("egomem.codec.train", "train the tiny Mimi codec on speech (resumable); the shipped offline codec"),
     "train-trigger": ("egomem.trigger.train", "train the episodic trigger on synthetic streams (resumable)"),
     "make-corpus": ("egomem.training.build",
                     "synthesise MemChunk training data: people, relation graphs, dialogs, speech, masks"),

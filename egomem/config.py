@@ -69,8 +69,9 @@ class ServerConfig:
 class MimiConfig:
     """The Mimi neural audio codec (24 kHz PCM <-> 8 codebooks at 12.5 Hz)."""
 
-    weights: Path | None = None  # Moshi-format Mimi safetensors; None = random-initialised (offline)
+    weights: Path | None = None  # Moshi-format Mimi safetensors; None = the shipped trained tiny codec (tiny preset)
     preset: Literal["tiny", "full"] = "tiny"  # tiny: same classes, fewer channels, real-time on 2 CPU cores
+    random_init: bool = False  # True (with weights unset): seeded random-initialised weights, the untrained peer
     num_codebooks: int = 8
     max_streams: int = 16  # streaming-state slots (CPU: a call runs rows up to the highest open slot; GPU: all rows)
     stream_ttl_s: float = 600.0  # a stream idle this long is reclaimed
@@ -94,6 +95,8 @@ class DialogConfig:
     top_k_audio: int = 250
     kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: Triton kernels on CUDA, PyTorch on CPU
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # auto: the model's dtype; fp8: float8_e4m3fn (half bf16's bytes)
+    cuda_graphs: bool = True  # CUDA: each tick is one fixed-shape step over all slots, captured in a CUDA graph
     device: Device = "auto"
     stream_ttl_s: float = 600.0  # a stream idle this long is closed (Triton drops idle sequences silently)
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default

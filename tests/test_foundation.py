@@ -105,13 +105,19 @@ def test_cli_reports_config_errors_without_a_traceback(tmp_path, capsys):
 # -- doctor --------------------------------------------------------------------------------------
 
 
-def test_doctor_passes_on_this_install_and_says_weights_are_random():
+def test_doctor_passes_on_this_install_and_says_which_codec_runs():
     lines: list[str] = []
     assert run_doctor(load_config(env={}), out=lines.append) == 0
     text = "\n".join(lines)
     assert "[ ok ] tritonserver binary" in text
     assert "Python backend stub for Python 3.11" in text
-    assert "RANDOM-INITIALISED" in text
+    assert "[ ok ] mimi: trained tiny codec" in text and "egomem train-codec --data" in text
+    assert "random-initialised dialog model" in text  # the dialog model is still random (issue #15)
+    cfg = load_config(env={})
+    cfg.mimi.random_init = True
+    lines.clear()
+    run_doctor(cfg, out=lines.append)
+    assert "RANDOM-INITIALISED 'tiny' Mimi" in "\n".join(lines)
 
 
 def test_doctor_on_a_broken_install_says_what_to_do(tmp_path):

@@ -190,3 +190,79 @@ def test_engine_runs_the_triton_kernels():
         eng.write_memchunk(b, 2, [7])
         runs.append(torch.stack([eng.step([a, b], codes[t], return_logits=True)[2] for t in range(6)]))
     torch.testing.assert_close(runs[1], runs[0], atol=1e-4, rtol=1e-4)
+
+
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on any op that hands a tensor's value to the host (`.item()`, `int(t)`, `.tolist()`) or whose
+    output shape depends on values (`nonzero`, boolean-mask indexing): what a CUDA graph cannot capture."""
+
+    SYNCING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.masked_select.default, torch.ops.aten.equal.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCING:
+            raise AssertionError(f"host sync in the step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_fixed_shape_engine_step_never_syncs_with_the_host():
+    """`step_all` with the Triton kernels (what runs on CUDA; interpreted here) reads no tensor value on
+    the host, so its tick can be captured in a CUDA graph. The narrow `step` path does sync (its checks
+    and the CPU attention's spans), which the mode must catch, or it would prove nothing."""
+    from egomem.dialog import DialogEngine
+    from egomem.dialog.checkpoint import build_lm
+
+    lm = build_lm("tiny", seed=0, dim=64, num_heads=2, num_layers=2, card=32, text_card=40, context=32,
+                  depformer_dim=32, depformer_dim_feedforward=64, depformer_num_heads=2, depformer_num_layers=1)
+    eng = DialogEngine(lm, max_streams=3, l1_steps=8, l2_steps=4, ring_steps=4, kernels="triton")
+    a, b = eng.open(), eng.open()
+    eng.write_memchunk(b, 1, [5, 6])
+    codes = torch.randint(0, 32, (3, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([True, True, False])
+    with _NoHostSync():
+        for _ in range(6):
+            eng._step_all(codes, mask)
+    assert eng.cache.steps.tolist() == [6, 6, 0]
+    with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+        eng.step([a, b], codes[:2])
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("chunk", ["empty", "ragged"])
+def test_split_kv_decode_attention_matches_one_program(chunk, splits):
+    """Flash-decoding: each (row, kv head) read by several programs whose partial softmax states are merged
+    gives the single-program result -- with shares that are empty, partial or past a region's end."""
+    Hkv, D, n1, n2, W = 2, 32, 40, 24, 100
+    args = _inputs(3, 5, Hkv * 2, Hkv, D, n1, n2, W, torch.float32, chunk, seed=21 + splits)
+    want = da.decode_attention(*args, n1=n1, n2=n2, impl="triton", input_precision="ieee", num_splits=1)
+    got = da.decode_attention(*args, n1=n1, n2=n2, impl="triton", input_precision="ieee", num_splits=splits)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    ref = decode_attention_reference(*args, n1=n1, n2=n2, max_period=10_000.0, interleave=True)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_default_splits_fill_the_gpu_only_when_rows_do_not():
+    sms = 132  # an H100 SXM
+    assert da.default_splits(1 * 32, 3000, sms) == 9  # one 7B stream: 32 kv heads x 9 splits >= 2 x 132
+    assert da.default_splits(4 * 8, 3000, sms) == 9
+    assert da.default_splits(2 * 8, 3000, sms) == 11  # capped by one split per 256 cache steps
+    assert da.default_splits(64 * 32, 3000, sms) == 1  # a full batch fills the GPU by itself
+    assert da.default_splits(1, 100, sms) == 1  # a short cache is never split
+
+
+def test_fp8_caches_are_read_by_both_paths_as_their_upcast_values():
+    """An fp8 KV cache (a storage format): the Triton kernel and the PyTorch path attend exactly what the
+    reference attends over the upcast values; memchunk_write casts into an fp8 cache."""
+    Hkv, D, n1, n2, W = 2, 32, 16, 8, 40
+    q, k, v, slots, l1, l2, ring, pos0 = _inputs(3, 4, 4, Hkv, D, n1, n2, W, torch.float32, "ragged", seed=5)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    want = decode_attention_reference(q, k8.float(), v8.float(), slots, l1, l2, ring, pos0, n1=n1, n2=n2)
+    for impl, splits in (("torch", None), ("triton", 1), ("triton", 3)):
+        got = da.decode_attention(q, k8, v8, slots, l1, l2, ring, pos0, n1=n1, n2=n2, impl=impl, num_splits=splits)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    src = torch.randn(2, Hkv, n1, D)
+    for impl in ("torch", "triton"):
+        dk = torch.zeros(2, 4, Hkv, n1 + n2 + W, D, dtype=torch.float8_e4m3fn)
+        dv = torch.zeros_like(dk)
+        mw.memchunk_write(src, src, dk, dv, 1, 0, impl=impl)
+        assert torch.equal(dk[:, 1, :, :n1].view(torch.uint8), src.to(torch.float8_e4m3fn).view(torch.uint8))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -21,13 +24,22 @@ from egomem.config import MimiConfig
 STEPS = 6
 
 
+SPEECH = sorted((Path(__file__).parent / "data" / "identity").glob("*.flac"))  # LibriSpeech (ATTRIBUTION.md)
+
+
+@functools.cache
+def _speech(i: int) -> np.ndarray:
+    from egomem.trigger.synth import load_24k
+
+    return load_24k(SPEECH[i % len(SPEECH)])
+
+
 def frames(seed: int, n: int = STEPS) -> np.ndarray:
-    """n frames of a seeded, speech-like signal (noise bursts times a tone) [n, 1920]."""
+    """n frames [n, 1920] of real speech: a seeded utterance and offset (the codec is trained on speech)."""
     rng = np.random.default_rng(seed)
-    t = np.arange(n * FRAME_SAMPLES) / 24_000
-    x = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 2000) * t) + 0.2 * rng.standard_normal(t.size)
-    x *= np.repeat(rng.uniform(0.1, 1.0, n), FRAME_SAMPLES)
-    return x.reshape(n, FRAME_SAMPLES).astype(np.float32)
+    x = _speech(seed)
+    a = int(rng.integers(0, len(x) - n * FRAME_SAMPLES))
+    return (x[a:a + n * FRAME_SAMPLES] * 0.5).reshape(n, FRAME_SAMPLES).astype(np.float32)
 
 
 @pytest.fixture(scope="module")

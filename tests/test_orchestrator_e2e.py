@@ -1,5 +1,6 @@
 """The demo scenario end to end: real tritonserver (codec, dialog, face, speaker, text encoders), the
-real orchestrator on loopback, the memory worker over SQLite on disk, real WebSocket clients. Asserts
+real orchestrator on loopback, the memory worker over SQLite on disk with the shipped episodic trigger,
+real WebSocket clients. Asserts
 who was recognised when, what entered each MemChunk, and what the store holds after day 1 and after
 forget."""
 
@@ -9,7 +10,7 @@ import threading
 
 import pytest
 
-from egomem.demo import PEOPLE, WholeStreamLabeler, run_scenario
+from egomem.demo import PEOPLE, run_scenario
 from egomem.memory import open_store
 from egomem.memory.worker import run_worker
 from tests.conftest import DATA, test_config
@@ -24,7 +25,7 @@ def scenario(triton, tmp_path_factory):
     cfg = orchestrator_config(test_config(d), d, triton.grpc_url, accept_model_text=True)
     cfg.memory.extractor = "rules"  # no LLM key in tests: the offline rule extractor (it says so in the log)
     stop = threading.Event()
-    worker = threading.Thread(target=run_worker, args=(cfg, stop), kwargs={"labeler": WholeStreamLabeler()}, daemon=True)
+    worker = threading.Thread(target=run_worker, args=(cfg, stop), daemon=True)  # the shipped trigger cuts sessions
     worker.start()
     try:
         with OrchestratorThread(cfg) as orch:

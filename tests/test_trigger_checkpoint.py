@@ -27,7 +27,7 @@ def test_shipped_checkpoint_is_small_and_documented(labeler):
     assert SHIPPED_CHECKPOINT.stat().st_size <= 5 * 2**20
     cmd = labeler.meta["train_command"]
     assert "--seed" in cmd and "--data" in cmd
-    assert labeler.meta["mimi_preset"] == "tiny" and labeler.meta["mimi_weights"] == "None"
+    assert labeler.meta["mimi_preset"] == "tiny" and labeler.meta["mimi_codec"] == "mimi_tiny.safetensors"
 
 
 def test_checkpoint_matches_the_default_mimi(labeler):

@@ -9,7 +9,7 @@ import torch
 
 from egomem.config import TriggerConfig
 from egomem.trigger.decode import decode_sessions
-from egomem.trigger.synth import CodeCache, StreamSpec, synth_stream
+from egomem.trigger.synth import TEXT_PAD, CodeCache, StreamSpec, synth_stream
 from egomem.trigger.train import fit, main, make_model
 
 CACHE = Path(__file__).parent / "data" / "trigger" / "heldout_codes.npz"
@@ -63,3 +63,46 @@ def test_interrupted_run_resumes_to_the_same_weights(cache, tmp_path):
 def test_cli_needs_data_to_build_a_missing_cache(tmp_path):
     with pytest.raises(SystemExit, match="--data"):
         main(["--cache-dir", str(tmp_path), "--out", str(tmp_path / "t.safetensors"), "--steps", "1"])
+
+
+def test_the_text_channel_is_a_real_monologue_inside_sessions(cache):
+    """Text tokens are the split's corpus lines (byte-tokenised), written only inside gold sessions."""
+    from egomem.trigger.synth import monologue_lines
+
+    lines = [bytes(int(i) - 4 for i in ids).decode() for q, r in monologue_lines(cache.split)
+             for ids in ((r,) if q is None else (q, r))]
+    rng = np.random.default_rng(1)
+    runs = in_line = 0
+    for _ in range(8):
+        tokens, _, gold = synth_stream(cache, rng, StreamSpec(steps=2048), noised=False)
+        text = tokens[:, 0]
+        inside = np.zeros(len(text), bool)
+        for a, b in gold:
+            inside[a:b + 1] = True
+        assert not (text[~inside] != TEXT_PAD).any(), "monologue outside a session"
+        edges = np.flatnonzero(np.diff(np.r_[0, (text != TEXT_PAD).astype(int), 0]))
+        for a, b in zip(edges[::2], edges[1::2]):
+            run = bytes(int(i) - 4 for i in text[a:b]).decode(errors="replace")
+            runs += 1
+            in_line += any(run in line for line in lines)
+    assert runs >= 20 and in_line / runs >= 0.8, (runs, in_line)
+
+
+def test_noise_kinds_are_unit_level_and_differ():
+    from egomem.trigger.noise import KINDS, background
+
+    rng = np.random.default_rng(0)
+    speech = [np.sin(np.arange(48_000) * f).astype(np.float32) * rng.random(48_000).astype(np.float32)
+              for f in (0.05, 0.08, 0.11)]
+    flatness = {}
+    for kind in KINDS:
+        x = background(rng, 48_000, speech, kind=kind)
+        assert x.shape == (48_000,) and np.isfinite(x).all()
+        assert abs(np.sqrt(np.mean(x**2)) - 1) < 1e-3, kind
+        spec = np.abs(np.fft.rfft(x)) ** 2 + 1e-12
+        flatness[kind] = float(np.exp(np.mean(np.log(spec))) / np.mean(spec))
+    assert flatness["white"] > 0.3 and flatness["music"] < 0.1 * flatness["white"], flatness
+    with pytest.raises(ValueError, match="babble"):
+        background(rng, 100, None, kind="babble")
+    with pytest.raises(ValueError, match="unknown noise kind"):
+        background(rng, 100, speech, kind="jazz")

@@ -4,9 +4,12 @@ Built from `moshi`'s own classes (`moshi.models.loaders.get_mimi`). Two presets 
 architecture:
   - `full`: the released Mimi shape (79 M parameters); real weights load from a local safetensors.
   - `tiny`: the same classes with fewer channels and layers, so many streams run in real time on a
-    2-core CPU (docs/departures.md#d04-tiny-mimi-preset-on-cpu: full size streams 4 CPU streams at ~91 ms per 80 ms frame).
-With no weights configured the model is random-initialised from a fixed seed, so every process that
-builds it (the Triton model, the trigger's data builder, tests) produces the same codes.
+    2-core CPU (docs/departures.md#d04-tiny-mimi-preset-on-cpu-trained-here: full size streams 4 CPU streams at ~91 ms per 80 ms frame).
+With no weights configured the `tiny` preset loads the shipped trained codec
+(`egomem/data/mimi_tiny.safetensors`, made by `egomem train-codec`, egomem/codec/train.py); with
+`mimi.random_init` (or the `full` preset without weights) the model is random-initialised from a
+fixed seed, so every process that builds it (the Triton model, the trigger's data builder, tests)
+produces the same codes.
 
 `MimiStreamPool` holds many concurrent streams in one batched streaming state: each stream owns a
 row (slot); a call executes only the rows it names (moshi's per-row `exec_mask`), so streams never
@@ -40,6 +43,7 @@ SAMPLE_RATE = 24_000
 FRAME_RATE = 12.5
 FRAME_SAMPLES = 1920  # one 80 ms step at 24 kHz
 CARDINALITY = 2048  # codebook size; the dialog LM's audio vocabulary depends on it
+SHIPPED_TINY_CODEC = Path(__file__).resolve().parents[1] / "data" / "mimi_tiny.safetensors"
 
 
 def mimi_config(preset: str) -> dict:
@@ -66,24 +70,35 @@ class MimiWeightsError(RuntimeError):
 
 
 def build_mimi(cfg: MimiConfig, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Build Mimi per config: real weights from `cfg.weights`, else seeded random init (and say so)."""
+    """Build Mimi per config: `codec_weights(cfg)` if any (checked strictly), else seeded random init (said so)."""
     from moshi.models import loaders
 
     conf = mimi_config(cfg.preset)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = loaders.get_mimi(None, conf, device="cpu", num_codebooks=cfg.num_codebooks)
-        _init_random_codebooks(model)
-    if cfg.weights is None:
+    weights = codec_weights(cfg)
+    if weights is None:
         log.warning(
-            "Mimi: no weights configured (mimi.weights); using a RANDOM-INITIALISED %s Mimi (seed %d). "
-            "Codes are deterministic but carry no speech meaning. Set mimi.weights to a Moshi Mimi "
-            "safetensors file for real audio.", cfg.preset, cfg.seed,
+            "Mimi: using a RANDOM-INITIALISED %s Mimi (seed %d)%s. Codes are deterministic but carry little "
+            "speech meaning. Set mimi.weights to a Moshi Mimi safetensors file for real audio.",
+            cfg.preset, cfg.seed, " (mimi.random_init)" if cfg.random_init else " (no mimi.weights)",
         )
+        _init_random_codebooks(model)  # its own seeded generator: the same codes in every process
     else:
-        load_mimi_weights(model, Path(cfg.weights))
+        load_mimi_weights(model, weights)
     model.set_num_codebooks(cfg.num_codebooks)
     return model.to(device).eval()
+
+
+def codec_weights(cfg: MimiConfig) -> Path | None:
+    """The weights file `build_mimi` loads: `mimi.weights`, else the shipped trained tiny codec for the tiny
+    preset, else None (random init: `mimi.random_init`, or the full preset without weights)."""
+    if cfg.weights is not None:
+        return Path(cfg.weights)
+    if cfg.random_init or cfg.preset != "tiny":
+        return None
+    return SHIPPED_TINY_CODEC
 
 
 def _init_random_codebooks(model: torch.nn.Module, seconds: float = 24.0) -> None:
@@ -121,10 +136,14 @@ def _init_random_codebooks(model: torch.nn.Module, seconds: float = 24.0) -> Non
 def load_mimi_weights(model: torch.nn.Module, path: Path) -> None:
     """Load a Mimi safetensors file strictly; name the file and the first mismatched keys on failure."""
     if not path.is_file():
+        if path == SHIPPED_TINY_CODEC:
+            raise MimiWeightsError(
+                f"the shipped tiny codec {path} is missing (a partial checkout?): restore it from git, retrain it "
+                f"with `egomem train-codec --data <LibriSpeech root>`, or set mimi.random_init = true")
         raise MimiWeightsError(
             f"Mimi weights file {path} not found (mimi.weights). Put the Moshi Mimi safetensors "
             f"(e.g. tokenizer-e351c8d8-checkpoint125.safetensors) there, or unset mimi.weights for "
-            f"the random-initialised offline default."
+            f"the shipped trained tiny codec."
         )
     from safetensors.torch import load_file
 
@@ -140,6 +159,12 @@ def load_mimi_weights(model: torch.nn.Module, path: Path) -> None:
             f"wrong shape {wrong[:5]}"
         )
     model.load_state_dict(state, strict=True)
+    from moshi.quantization.core_vq import EuclideanCodebook
+
+    for m in model.modules():  # each codebook caches embedding_sum / usage: recompute it from the loaded values
+        if isinstance(m, EuclideanCodebook):
+            m.register_buffer("_embedding", None, persistent=False)
+            m._cached_initialized = False
 
 
 class MimiStreamPool:

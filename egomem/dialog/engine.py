@@ -13,6 +13,12 @@ paper trains (§4.1): an empty chunk is text pad and still attended. `open()` co
 for that slot (L1 together with L2 reset to pads; L2 attending the slot's L1). Chunk keys are kept at
 their positions inside the chunk region and rotated on to the chunk's virtual positions at read time
 (docs/kv-cache.md#positions-rotate-on-read, kv_cache.py).
+
+Two ways to tick. `step(slots, ...)` runs only the named slots (the CPU path: cost follows the open
+streams). `step_all(listen_codes, exec_mask)` runs every slot with an exec mask, as moshi's LMGen does:
+fixed shapes, per-slot step counts and positions on the device, no host sync, so on CUDA the whole tick
+is captured once in a CUDA graph and replayed. Both share `_step`; rows not executed keep their cache,
+tokens and step count (tests/test_dialog_engine.py).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Literal
 import torch
 from moshi.models.lm import LMModel
 from moshi.modules.transformer import create_sin_embedding
-from moshi.utils.compile import no_compile
+from moshi.utils.compile import CUDAGraphed, no_compile
 from moshi.utils.sampling import sample_token
 
 from egomem.kernels import Impl, rope_rotate
@@ -55,7 +61,8 @@ class DialogEngine:
     def __init__(self, lm: LMModel, max_streams: int, l1_steps: int = 512, l2_steps: int = 256,
                  ring_steps: int | None = None, temperature: float = 0.0, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, kernels: Impl = "auto", top_k_text: int = 25,
-                 top_k_audio: int = 250, chunk_audio_token: int | None = None):
+                 top_k_audio: int = 250, chunk_audio_token: int | None = None, cuda_graphs: bool = True,
+                 fixed_shape_tick: bool | None = None, kv_dtype: torch.dtype | None = None):
         tr = lm.transformer
         if tr.positional_embedding not in ("rope", "rope_concat"):
             raise ValueError(f"DialogEngine needs a RoPE LMModel; this one uses {tr.positional_embedding!r}")
@@ -89,8 +96,9 @@ class DialogEngine:
         self.head_dim = lm.dim // self.num_heads
         self.max_period = float(tr.rope.max_period)
         self.interleave = bool(tr.rope.interleave)
+        # the KV cache holds the model's dtype, or float8_e4m3fn (half the bytes a decode step reads; H100+)
         self.cache = MemChunkKVCache(len(tr.layers), max_streams, self.num_heads // self.kv_repeat, self.head_dim,
-                                     l1_steps, l2_steps, ring_steps, self.device, self.dtype, impl=kernels)
+                                     l1_steps, l2_steps, ring_steps, self.device, kv_dtype or self.dtype, impl=kernels)
         self.chunk_audio_token = lm.initial_token_id if chunk_audio_token is None else chunk_audio_token
         # Moshi's delayed token buffer per slot, as LMGen keeps it per batch row.
         self.delays = torch.tensor(lm.delays, device=self.device, dtype=torch.long)  # [K]
@@ -100,6 +108,11 @@ class DialogEngine:
         self.initial = lm._get_initial_token()  # [1, K, 1]
         self.free = list(range(max_streams))[::-1]
         self.active: set[int] = set()
+        self.all_slots = torch.arange(max_streams, device=self.device)  # step_all's rows: every slot, fixed shape
+        # tick() runs step_all (fixed shape) or step (only the named slots); default: fixed on CUDA
+        self.fixed_shape_tick = self.device.type == "cuda" if fixed_shape_tick is None else fixed_shape_tick
+        # step_all on CUDA: captured once in a CUDA graph, replayed every tick (moshi's CUDAGraphed, as LMGen)
+        self._step_all_graphed = CUDAGraphed(self._step_all, disable=self.device.type != "cuda" or not cuda_graphs)
         # K/V of an empty L1 followed by an empty L2 (all text pad): the same for every slot, so computed
         # once here and copied into each slot by open(). Assumes the model's weights no longer change.
         n_chunk = self.cache.n1 + self.cache.n2
@@ -127,8 +140,8 @@ class DialogEngine:
         self.free.append(slot)
 
     def steps(self, slot: int) -> int:
-        """Dialog steps this slot has taken."""
-        return self.cache.steps[slot]
+        """Dialog steps this slot has taken (reads the device counter: not for the hot path)."""
+        return int(self.cache.steps[slot])
 
     def _check_slot(self, slot: int) -> None:
         if slot not in self.active:
@@ -250,15 +263,63 @@ class DialogEngine:
         if int(listen.min()) < 0 or int(listen.max()) >= lm.card:
             raise ValueError(f"listen codes must be in [0, {lm.card})")
         with no_compile():
-            return self._step(slots, listen, return_logits)
+            rows = torch.tensor(slots, device=self.device, dtype=torch.long)  # [B]
+            return self._step(rows, listen, None, return_logits)
 
-    def _step(self, slots: list[int], listen: torch.Tensor, return_logits: bool):
+    @torch.no_grad()
+    def tick(self, slots: list[int], listen_codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The serving entry: one tick for `slots` -> (text [B], speak codes [B, dep_q], steps taken [B]).
+
+        On CUDA (`fixed_shape_tick`) it runs `step_all` (every slot, an exec mask, one CUDA graph replay); on
+        the CPU `step` (only these slots: the cost follows the open streams). Codes are checked on the host first."""
+        if not self.fixed_shape_tick:
+            text, speak = self.step(slots, listen_codes)
+            return text, speak, self.cache.steps[slots]
+        for s in slots:
+            self._check_slot(s)
+        listen = torch.as_tensor(listen_codes, dtype=torch.long).reshape(len(slots), -1)
+        n_listen = self.lm.num_codebooks - self.lm.dep_q - 1
+        if listen.shape[1] != n_listen or len(set(slots)) != len(slots):
+            raise ValueError(f"listen_codes must be [{len(slots)}, {n_listen}] for distinct slots")
+        if listen.numel() and (int(listen.min()) < 0 or int(listen.max()) >= self.lm.card):
+            raise ValueError(f"listen codes must be in [0, {self.lm.card})")
+        full = torch.zeros(self.max_streams, n_listen, dtype=torch.long)
+        mask = torch.zeros(self.max_streams, dtype=torch.bool)
+        full[slots], mask[slots] = listen, True
+        text, speak = self.step_all(full.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True))
+        rows = torch.tensor(slots, device=self.device)
+        return text[rows], speak[rows], self.cache.steps[rows]
+
+    @torch.no_grad()
+    def step_all(self, listen_codes: torch.Tensor, exec_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One fixed-shape tick over EVERY slot: rows where `exec_mask` `[S]` (bool) is True step, the others
+        are computed and discarded (moshi LMGen's exec-mask pattern). listen_codes: `[S, 8]` int64 on the
+        engine's device. Everything stays on the device (no host sync), so on CUDA the call is captured
+        once in a CUDA graph and replayed (`cuda_graphs`). The caller checks the codes and that only open
+        slots execute (the served path does both on the host, before the tensors reach the device).
+
+        Returns (text_tokens [S], speak_codes [S, dep_q]) as `step` does; rows not executed hold
+        `lm.ungenerated_token_id`.
+        """
+        S = self.max_streams
+        if listen_codes.shape != (S, self.lm.num_codebooks - self.lm.dep_q - 1) or exec_mask.shape != (S,):
+            raise ValueError(f"step_all takes listen codes [{S}, 8] and an exec mask [{S}] for all slots")
+        with no_compile():
+            return self._step_all_graphed(listen_codes, exec_mask)
+
+    def _step_all(self, listen: torch.Tensor, exec_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        text, audio = self._step(self.all_slots, listen, exec_mask, False)
+        ungenerated = self.lm.ungenerated_token_id
+        return torch.where(exec_mask, text, ungenerated), torch.where(exec_mask[:, None], audio, ungenerated)
+
+    def _step(self, rows: torch.Tensor, listen: torch.Tensor, exec_mask: torch.Tensor | None, return_logits: bool):
+        """The tick for `rows` `[B]` (device ops only; `exec_mask` `[B]` or None = all rows step)."""
         lm = self.lm
-        rows = torch.tensor(slots, device=self.device, dtype=torch.long)  # [B]
-        B = len(slots)
+        B = rows.shape[0]
         CT = self.tokens.shape[2]
-        offsets = torch.tensor([self.cache.steps[s] for s in slots], device=self.device)  # [B]
-        tok = self.tokens[rows]  # [B, K, CT] (a copy; written back below)
+        offsets = self.cache.steps[rows]  # [B]
+        before = self.tokens[rows]  # [B, K, CT] (a copy)
+        tok = before.clone()  # updated below, written back for the rows that step
         # LMGen's delay handling: write user audio ahead by its delay, read this tick's inputs.
         listen_delays = self.delays[lm.dep_q + 1:]  # [8]
         write_pos = (offsets[:, None] + listen_delays[None]) % CT  # [B, 8]
@@ -268,30 +329,31 @@ class DialogEngine:
         inputs = torch.where(is_init[..., None], self.initial, tok.gather(2, read_pos))  # [B, K, 1]
         self.last_inputs = inputs  # the tokens this tick fed the model (teacher-forcing checks)
 
-        meta = self.cache.step_meta(slots)
+        meta = self.cache.step_meta(rows)
         x = self._embed(inputs)  # [B, 1, C]
         for li, layer in enumerate(lm.transformer.layers):
             q, k, v = self._qkv(layer, x)  # [B, H|Hkv, 1, D]
             pos = meta["pos"][:, None, None]  # [B, 1, 1]
             q = rope_rotate(q, pos, self.max_period, self.interleave)[:, :, 0]  # [B, H, D]
             k = rope_rotate(k, pos, self.max_period, self.interleave)[:, :, 0]  # [B, Hkv, D]
-            attn = self.cache.append_and_attend(li, meta, q, k, v[:, :, 0], self.max_period, self.interleave)
+            attn = self.cache.append_and_attend(li, meta, q, k, v[:, :, 0], self.max_period, self.interleave,
+                                                exec_mask)
             x = self._finish_layer(layer, x, attn.reshape(B, 1, -1))  # attn [B, H, D] -> [B, 1, C]
         out = lm.out_norm(x)  # [B, 1, C]
         text_logits = lm.text_linear(out)[:, None]  # [B, 1, 1, text_card]
         text = self._sample(text_logits, self.top_k_text)[:, 0, 0]  # [B]
         audio = self._depformer(text, out)  # [B, dep_q]
-        self.cache.advance(slots)
+        self.cache.advance(rows, exec_mask)
 
         offsets = offsets + 1
         new_pos = (offsets % CT)[:, None, None]  # [B, 1, 1]
         tok[:, :1].scatter_(2, new_pos, text[:, None, None])
         tok[:, 1:lm.dep_q + 1].scatter_(2, new_pos.expand(B, lm.dep_q, 1), audio[:, :, None])
-        self.tokens[rows] = tok
+        self.tokens[rows] = tok if exec_mask is None else torch.where(exec_mask[:, None, None], tok, before)
         gen_delays = self.delays[:lm.dep_q + 1]  # [1 + dep_q]
         index = (offsets[:, None, None] - self.max_delay + gen_delays[None, :, None]) % CT  # [B, 1 + dep_q, 1]
         aligned = tok[:, :lm.dep_q + 1].gather(2, index)[..., 0]  # [B, 1 + dep_q]
-        aligned[offsets <= self.max_delay] = lm.ungenerated_token_id
+        aligned = torch.where((offsets <= self.max_delay)[:, None], lm.ungenerated_token_id, aligned)
         result = (aligned[:, 0], aligned[:, 1:])
         if return_logits:
             return result + (text_logits[:, 0, 0].float(),)

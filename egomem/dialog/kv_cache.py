@@ -22,6 +22,12 @@ import torch
 from egomem.kernels import Impl
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (a uint8 view), any other as itself: indexing, `where` and scatter then
+    work on every device for the fp8 KV cache (`kv_dtype=torch.float8_e4m3fn`)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def _kernels():
     """The kernel wrappers, imported on first use: they import triton, whose interpreter mode (CPU tests)
     is fixed at its first import, so importing the engine must not import triton."""
@@ -32,7 +38,8 @@ def _kernels():
 
 
 class MemChunkKVCache:
-    """K/V buffers `[L, S, Hkv, N1 + N2 + W, D]` plus per-slot dialog step counts (host ints: no syncs)."""
+    """K/V buffers `[L, S, Hkv, N1 + N2 + W, D]` plus per-slot dialog step counts `steps` `[S]`, kept on the
+    cache's device so a tick computes every position there (no host sync: CUDA-graph capturable)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  n1: int, n2: int, ring: int, device: torch.device, dtype: torch.dtype, impl: Impl = "auto"):
@@ -42,7 +49,7 @@ class MemChunkKVCache:
         shape = (num_layers, num_slots, num_kv_heads, n1 + n2 + ring, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.steps = [0] * num_slots  # dialog steps written so far
+        self.steps = torch.zeros(num_slots, device=device, dtype=torch.int64)  # dialog steps written so far
 
     @property
     def device(self) -> torch.device:
@@ -65,34 +72,41 @@ class MemChunkKVCache:
         """A slot's L1 K and V `[Hkv, N1, D]` at `layer` (the prefix an L2 refresh attends to)."""
         return self.k[layer, slot, :, :self.n1], self.v[layer, slot, :, :self.n1]
 
-    def step_meta(self, slots: list[int]) -> dict[str, torch.Tensor]:
-        """Per-row metadata of one tick in which each slot writes its next dialog step.
-
-        The kernels take per-row chunk lengths (`l1_len`, `l2_len`); here they are always N1 and N2."""
-        steps = [self.steps[s] for s in slots]
-        rows = {
+    def step_meta(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-row metadata `[B]` (int64, on the device) of one tick in which each of `slots` `[B]` writes its
+        next dialog step; device ops only. The kernels take per-row chunk lengths (`l1_len`, `l2_len`); here
+        they are always N1 and N2."""
+        t = self.steps[slots]  # [B]
+        n_chunk = self.n1 + self.n2
+        return {
             "slots": slots,
-            "pos": steps,  # position of this tick's query and new key
-            "ring_idx": [self.n1 + self.n2 + t % self.ring for t in steps],
-            "ring_len": [min(t + 1, self.ring) for t in steps],
-            "l1_len": [self.n1] * len(slots),
-            "l2_len": [self.n2] * len(slots),
-            "chunk_pos0": [max(0, t + 1 - self.ring) - (self.n1 + self.n2) for t in steps],  # oldest - chunk
+            "pos": t,  # position of this tick's query and new key
+            "ring_idx": n_chunk + t % self.ring,
+            "ring_len": torch.clamp(t + 1, max=self.ring),
+            "l1_len": torch.full_like(t, self.n1),
+            "l2_len": torch.full_like(t, self.n2),
+            "chunk_pos0": torch.clamp(t + 1 - self.ring, min=0) - n_chunk,  # oldest ring step - chunk length
         }
-        packed = torch.tensor(list(rows.values()), dtype=torch.int64, device=self.device)  # [7, B]: one copy
-        return dict(zip(rows, packed.unbind(0)))
 
     def append_and_attend(self, layer: int, meta: dict[str, torch.Tensor], q: torch.Tensor,
-                          k: torch.Tensor, v: torch.Tensor, max_period: float, interleave: bool) -> torch.Tensor:
-        """Write this tick's rotated k/v `[B, Hkv, D]` into the ring, then attend with q `[B, H, D]`."""
+                          k: torch.Tensor, v: torch.Tensor, max_period: float, interleave: bool,
+                          exec_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Write this tick's rotated k/v `[B, Hkv, D]` into the ring, then attend with q `[B, H, D]`.
+        Rows where `exec_mask` `[B]` is False keep their ring entry (they are computed, not stepped)."""
         kl, vl = self.k[layer], self.v[layer]  # [S, Hkv, T, D] views
-        kl[meta["slots"], :, meta["ring_idx"]] = k.to(kl.dtype)
-        vl[meta["slots"], :, meta["ring_idx"]] = v.to(vl.dtype)
+        at = (meta["slots"], slice(None), meta["ring_idx"])
+        k, v = _bits(k.to(kl.dtype)), _bits(v.to(vl.dtype))
+        kb, vb = _bits(kl), _bits(vl)  # fp8 caches are indexed through their bytes (CPU has no fp8 indexing)
+        if exec_mask is not None:
+            keep = ~exec_mask[:, None, None]
+            k, v = torch.where(keep, kb[at], k), torch.where(keep, vb[at], v)
+        kb[at] = k
+        vb[at] = v
         decode_attention, _ = _kernels()
         return decode_attention(
             q, kl, vl, meta["slots"], meta["l1_len"], meta["l2_len"], meta["ring_len"], meta["chunk_pos0"],
             n1=self.n1, n2=self.n2, max_period=max_period, interleave=interleave, impl=self.impl)
 
-    def advance(self, slots: list[int]) -> None:
-        for s in slots:
-            self.steps[s] += 1
+    def advance(self, slots: torch.Tensor, exec_mask: torch.Tensor | None = None) -> None:
+        """One more dialog step for each of `slots` `[B]` (only where `exec_mask` is True)."""
+        self.steps.index_add_(0, slots, torch.ones_like(slots) if exec_mask is None else exec_mask.to(slots.dtype))

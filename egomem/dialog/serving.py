@@ -58,7 +58,8 @@ def build_engine(cfg: DialogConfig, device: str | None = None) -> tuple[DialogEn
                          f"is {lm.text_card}: set dialog.tokenizer and dialog.preset to a matching pair")
     engine = DialogEngine(lm, cfg.max_streams, l1_steps=cfg.l1_steps, l2_steps=cfg.l2_steps,
                           ring_steps=cfg.ring_steps or None, temperature=cfg.temperature, kernels=cfg.kernels,
-                          top_k_text=cfg.top_k_text, top_k_audio=cfg.top_k_audio)
+                          top_k_text=cfg.top_k_text, top_k_audio=cfg.top_k_audio, cuda_graphs=cfg.cuda_graphs,
+                          kv_dtype=torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else None)
     return engine, tokenizer
 
 
@@ -132,12 +133,12 @@ class DialogStreamPool:
             if ok:
                 slots = [self._slots[requests[i].stream] for i in ok]
                 listen = torch.from_numpy(np.stack([np.asarray(requests[i].listen, dtype=np.int64) for i in ok]))
-                text, speak = self.engine.step(slots, listen)
-                text, speak = text.cpu().numpy(), speak.cpu().numpy()
+                text, speak, steps = self.engine.tick(slots, listen)
+                text, speak, steps = text.cpu().numpy(), speak.cpu().numpy(), steps.cpu().numpy()
                 for j, i in enumerate(ok):
                     tok = int(text[j])
                     piece = self.tokenizer.decode([tok]) if tok >= 0 else ""
-                    results[i] = DialogResult(tok, speak[j], piece, self.engine.steps(slots[j]))
+                    results[i] = DialogResult(tok, speak[j], piece, int(steps[j]))
             for r in requests:
                 if r.end:
                     self.close(r.stream)

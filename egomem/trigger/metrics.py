@@ -94,15 +94,16 @@ def evaluate(preds: list[list[Span]], golds: list[list[Span]], ns: tuple[int, ..
     return out
 
 
-# The bar the shipped tiny checkpoint (random-init Mimi codes) must reach on held-out synthetic
-# streams, per condition; checked by tests/test_trigger_checkpoint.py and reported by
-# bench/bench_trigger.py. Far below the paper (Jaccard 0.99, F1@5 0.98): telling two users apart
-# across a short pause needs speaker information that random Mimi codes barely carry. Raised with
-# the minimum-gap decoding (trigger.min_gap_steps): 200 streams give clean 0.933 / 0.419, noised
-# 0.857 / 0.194; the test's 24 streams clean 0.946 / 0.379, noised 0.89 / 0.237.
+# The bar the shipped tiny checkpoint (trained on the shipped tiny codec's codes, issue #14) must reach
+# on held-out synthetic streams, per condition; checked by tests/test_trigger_checkpoint.py and
+# reported by bench/bench_trigger.py. Far below the paper (Jaccard 0.99, F1@5 0.98). Measured with
+# bench_trigger (200 streams): clean 0.941 / 0.533, noised 0.812 / 0.187; the test's 24 streams: clean
+# 0.929 / 0.421, noised 0.838 / above 0.15. The noised condition is
+# harder than the one the previous bar (clean 0.92 / 0.34, noised 0.84 / 0.17, random-codec trigger)
+# was set on: its noise now includes babble of other speakers, music-like and recorded room tone.
 SHIPPED_BAR = {
-    "clean": {"jaccard": 0.92, "f1@5": 0.34},
-    "noised": {"jaccard": 0.84, "f1@5": 0.17},
+    "clean": {"jaccard": 0.92, "f1@5": 0.40},
+    "noised": {"jaccard": 0.78, "f1@5": 0.15},
 }
 
 

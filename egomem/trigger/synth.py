@@ -3,17 +3,25 @@
 A stream is what the dialog model records: per 80 ms step, 1 text token (its inner monologue),
 8 speak codes (its own voice) and 8 listen codes (the microphone). Dialog sessions with users are
 concatenated with stretches of no dialog; inside a session the user (listen) and the assistant
-(speak + text) take turns with short pauses, sometimes interrupting each other; a session mostly
-opens with the user speaking (80 %; else the assistant greets); sometimes a new user takes over
-right after the previous one left (user switch: short gap, only the voice tells it apart).
+(speak + text) take turns with short pauses; a session mostly opens with the user speaking (80 %;
+else the assistant greets); sometimes a new user takes over right after the previous one left (user
+switch: short gap, only the voice tells it apart). As in the paper's §4.1 streams:
+  - the text channel is a real monologue: the model replies (and Level-2 `<retr>` queries) of the
+    training corpus's dialogs (`egomem.training.corpus`, the split's own people), byte-tokenised as
+    the offline dialog model writes them, one token per step, starting 2 steps before the reply's
+    audio (no word alignment); a query is written before the reply, while the model is silent;
+  - a later turn interrupts the current one with probability 0.3; when the user interrupts the
+    model, the model's audio and text stop at the step the user starts;
+  - streams run up to 8,192 steps (`StreamSpec.steps`), several users per stream.
 Turns start and end on speech (per-step activity of each utterance), so gold boundaries are audible.
 Gold labels per step: 0 no dialog, 1 session start, 2 in session, 3 session end.
 
 Audio: LibriSpeech utterances (users: `cohort/`, one speaker each; assistant voices: `test-other/`).
 Every source is encoded by the project's Mimi ONCE (`build_cache`) and a stream is cut from the
 cached code sequences (encoding each synthetic stream's audio would cost ~100x more on 2 cores):
-  - noise: mixed in the AUDIO domain per cached utterance (white/pink/brown, SNR 0-20 dB) and
-    encoded as a second variant; noise-only clips fill silences of noised streams;
+  - noise: mixed in the AUDIO domain per cached utterance (SNR 0-20 dB) and encoded as a second
+    variant; noise-only clips fill silences of noised streams. Kinds (`egomem.trigger.noise`):
+    white/pink/brown, babble of the split's own speakers, music-like, recorded room tone;
   - echo (speak -> listen, p = 0.3 per assistant turn, gain 0-0.2, delay 0.1-0.5 s): each assistant
     utterance is also encoded at a random gain 0.02-0.2 (clean and noisy); the echo is placed at
     TOKEN level, delayed by round(delay / 80 ms) steps, where the user is silent (over user speech
@@ -37,6 +45,7 @@ Not modelled: the assistant's echo reaching the voice encoder, and noise-only wi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +56,7 @@ from egomem.trigger.model import END, IN_SESSION, NO_DIALOG, START
 
 STEP_S = 0.08
 TEXT_PAD = 3  # moshi's existing_text_padding_id
-CACHE_VERSION = 4  # 2: per-utterance frame activity ("vad"); 3: 48/12 noise clips; 4: GE2E voice partials
+CACHE_VERSION = 5  # 2: frame activity ("vad"); 3: 48/12 noise clips; 4: GE2E voice partials; 5: noise kinds, split
 VOICE_PARTIAL_STEPS = 20  # one GE2E partial utterance: 1.6 s
 VOICE_HOP_STEPS = 10  # a partial every 0.8 s (Resemblyzer's embed_utterance takes 1.3 per second)
 N_TRAIN_USERS = 200
@@ -74,9 +83,11 @@ class CodeCache:
     silence: np.ndarray | None = None  # codes of digital near-silence (steady state)
     noise: list[np.ndarray] = field(default_factory=list)  # noise-only clips
     fingerprint: str = ""
+    split: str = "train"  # whose monologue lines the streams of this cache draw (train / heldout people)
 
     def save(self, path: Path) -> None:
-        arrays = {"meta": np.array([CACHE_VERSION]), "fingerprint": np.array(self.fingerprint)}
+        arrays = {"meta": np.array([CACHE_VERSION]), "fingerprint": np.array(self.fingerprint),
+                  "split": np.array(self.split)}
         for i, u in enumerate(self.users):
             for k, v in u.items():
                 arrays[f"user/{i}/{k}"] = v
@@ -94,7 +105,7 @@ class CodeCache:
         z = np.load(path)
         if int(z["meta"][0]) != CACHE_VERSION:
             raise ValueError(f"{path}: code cache version {int(z['meta'][0])}, expected {CACHE_VERSION}; rebuild it")
-        c = cls(fingerprint=str(z["fingerprint"]), silence=z["silence"])
+        c = cls(fingerprint=str(z["fingerprint"]), silence=z["silence"], split=str(z["split"]))
         users: dict[int, dict] = {}
         assistant: dict[int, dict] = {}
         noise: dict[int, np.ndarray] = {}
@@ -129,7 +140,8 @@ def source_files(data_root: Path, split: str) -> tuple[list[Path], list[Path]]:
     return users, assistant
 
 
-def _load_24k(path: Path) -> np.ndarray:
+def load_24k(path: Path) -> np.ndarray:
+    """A speech file (any rate, any channels) as mono float32 at 24 kHz (the codec's rate)."""
     import librosa
     import soundfile as sf
 
@@ -140,8 +152,12 @@ def _load_24k(path: Path) -> np.ndarray:
 
 
 def make_noise(rng: np.random.Generator, n: int) -> np.ndarray:
-    """Unit-RMS white, pink or brown noise."""
-    kind = rng.integers(3)
+    """Unit-RMS white, pink or brown noise (drawn at random)."""
+    return colour_noise(rng, n, int(rng.integers(3)))
+
+
+def colour_noise(rng: np.random.Generator, n: int, kind: int) -> np.ndarray:
+    """Unit-RMS noise of one colour: 0 white, 1 pink, 2 brown."""
     w = rng.standard_normal(n)
     if kind == 1:  # pink: 1/f spectrum
         spec = np.fft.rfft(w)
@@ -156,10 +172,13 @@ def make_noise(rng: np.random.Generator, n: int) -> np.ndarray:
     return (w / (np.sqrt(np.mean(w**2)) + 1e-9)).astype(np.float32)
 
 
-def _noisy(rng: np.random.Generator, x: np.ndarray) -> np.ndarray:
+def _noisy(rng: np.random.Generator, x: np.ndarray, sources: list[np.ndarray]) -> np.ndarray:
+    """`x` plus a background of any kind (`noise.background`) at 0-20 dB SNR."""
+    from egomem.trigger.noise import background
+
     snr_db = rng.uniform(0, 20)
     rms = np.sqrt(np.mean(x**2)) + 1e-9
-    return x + make_noise(rng, len(x)) * rms / 10 ** (snr_db / 20)
+    return x + background(rng, len(x), sources) * rms / 10 ** (snr_db / 20)
 
 
 def frame_activity(x: np.ndarray, rel_db: float = -35.0) -> np.ndarray:
@@ -180,28 +199,30 @@ def build_cache(data_root: Path, split: str, codec, seed: int, max_seconds: floa
 
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
     users, assistant = source_files(data_root, split)
-    cache = CodeCache(fingerprint=codec_fingerprint(codec))
+    cache = CodeCache(fingerprint=codec_fingerprint(codec), split=split)
     cap = None if max_seconds is None else int(max_seconds * 24_000)
-    voice = voice_encoder if voice_encoder is not None else _default_voice_encoder()
-    for p in tqdm(users + assistant, desc=f"encode {split} sources", unit="utt"):
-        x = _load_24k(p)[:cap]
+    voice = voice_encoder if voice_encoder is not None else default_voice_encoder()
+    audio = [load_24k(p)[:cap] for p in tqdm(users + assistant, desc=f"load {split} sources", unit="utt")]
+    babble = audio[: len(users)]  # babble is made of the split's own users
+    for p, x in zip(tqdm(users + assistant, desc=f"encode {split} sources", unit="utt"), audio):
         x = x / (np.abs(x).max() + 1e-9) * 10 ** rng.uniform(-1.0, -0.3)  # level variety
-        noisy = _noisy(rng, x)
+        noisy = _noisy(rng, x, babble)
         entry = {"clean": encode(codec, x), "noisy": encode(codec, noisy), "vad": frame_activity(x)}
         if p in assistant:
             e = x * rng.uniform(0.02, 0.2)
             entry["echo"] = encode(codec, e)
-            entry["echo_noisy"] = encode(codec, e + _noise_like(rng, x))  # noise at the speech's SNR, not the echo's
+            entry["echo_noisy"] = encode(codec, e + _noise_like(rng, x, babble))  # at the speech's SNR, not the echo's
             cache.assistant.append(entry)
         else:
             entry["voice_clean"], entry["voice_noisy"] = voice_partials(voice, x), voice_partials(voice, noisy)
             cache.users.append(entry)
     cache.silence = encode(codec, rng.standard_normal(24_000 * 4).astype(np.float32) * 1e-4)[8:]
-    cache.noise = noise_clips(codec, split, seed)
+    cache.noise = noise_clips(codec, split, seed, babble)
     return cache
 
 
-def _default_voice_encoder():
+def default_voice_encoder():
+    """The offline GE2E speaker encoder (Resemblyzer weights from its wheel) with the identity config's gate."""
     from egomem.config import IdentityConfig
     from egomem.identity.voice import ResemblyzerEncoder, VoiceActivity
 
@@ -228,22 +249,27 @@ def voice_partials(encoder, x24k: np.ndarray) -> np.ndarray:
     return np.stack(rows).astype(np.uint8)  # [P, D]
 
 
-def noise_clips(codec, split: str, seed: int) -> list[np.ndarray]:
-    """Codes of background-noise clips (10 s each, colours and levels varied, own seeded stream).
+def noise_clips(codec, split: str, seed: int, babble: list[np.ndarray]) -> list[np.ndarray]:
+    """Codes of background-noise clips (10 s each, every kind of `noise.KINDS` in turn, levels varied,
+    own seeded stream; babble from `babble`, the split's own speech).
 
     Many clips (48 train / 12 held out): with few, a trigger memorises the noise codes and takes
     unseen noise for speech."""
     from egomem.trigger.codec import encode
+    from egomem.trigger.noise import KINDS, background
 
     rng = np.random.default_rng([seed, 0 if split == "train" else 1, 1])
     n = 48 if split == "train" else 12
-    return [encode(codec, make_noise(rng, 24_000 * 10) * 10 ** rng.uniform(-2.5, -1.3)) for _ in range(n)]
+    return [encode(codec, background(rng, 24_000 * 10, babble, kind=KINDS[i % len(KINDS)])
+                   * 10 ** rng.uniform(-2.5, -1.3)) for i in range(n)]
 
 
-def _noise_like(rng: np.random.Generator, speech: np.ndarray) -> np.ndarray:
-    """Background noise at 0-20 dB SNR relative to the (un-echoed) speech level."""
+def _noise_like(rng: np.random.Generator, speech: np.ndarray, babble: list[np.ndarray]) -> np.ndarray:
+    """Background noise (any kind) at 0-20 dB SNR relative to the (un-echoed) speech level."""
+    from egomem.trigger.noise import background
+
     rms = np.sqrt(np.mean(speech**2)) + 1e-9
-    return make_noise(rng, len(speech)) * rms / 10 ** (rng.uniform(0, 20) / 20)
+    return background(rng, len(speech), babble) * rms / 10 ** (rng.uniform(0, 20) / 20)
 
 
 def cache_path(cache_dir: Path, split: str, fingerprint: str, seed: int) -> Path:
@@ -267,11 +293,30 @@ class StreamSpec:
     user_first_p: float = 0.8  # a session usually opens with the user addressing the assistant
     switch_p: float = 0.3  # the next session is a different user right away
     switch_gap_s: tuple[float, float] = (0.4, 2.5)
-    interrupt_p: float = 0.2  # the next turn starts before the current one ends
+    interrupt_p: float = 0.3  # the paper's: the next turn starts before the current one ends
     overlap_s: tuple[float, float] = (0.3, 1.5)
     echo_p: float = 0.3
     echo_delay_s: tuple[float, float] = (0.1, 0.5)
-    word_every: tuple[int, int] = (2, 4)  # assistant text: one word token every 2-4 steps
+    text_lead: int = 2  # the monologue starts this many steps before the reply's audio
+    query_p: float = 0.5  # a Level-2 line's query is written (else only its reply)
+    retrieval_wait: tuple[int, int] = (2, 6)  # steps between a query's end and the reply's text
+
+
+@functools.lru_cache(maxsize=4)
+def monologue_lines(split: str, seed: int = 0) -> list[tuple[np.ndarray | None, np.ndarray]]:
+    """(query ids or None, reply ids) of every model turn of the training corpus's dialogs of `split`
+    (300 households of the template generator), in the offline dialog model's byte-level tokens."""
+    from egomem.dialog.tokenizer import ByteTokenizer
+    from egomem.training.corpus import make_corpus
+
+    tok = ByteTokenizer()
+    _, dialogs = make_corpus(300, "train" if split == "train" else "heldout", seed)
+    lines = []
+    for d in dialogs:
+        for t in d.turns:
+            q = np.asarray(tok.encode(t.query.text()), np.int64) if t.query is not None else None
+            lines.append((q, np.asarray(tok.encode(t.reply), np.int64)))
+    return lines
 
 
 def _slice(rng: np.random.Generator, vad: np.ndarray, n: int) -> tuple[int, int]:
@@ -317,6 +362,7 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
     """One stream with its speaker ground truth; draws exactly what `synth_stream` draws from `rng`."""
     T = spec.steps
     u = lambda r: rng.uniform(*r)  # noqa: E731
+    lines = monologue_lines(cache.split)
     var = "noisy" if noised else "clean"
     listen_bg = _fill(rng, cache.noise[rng.integers(len(cache.noise))] if noised else cache.silence, T)
     listen = listen_bg.copy()
@@ -346,12 +392,16 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
         for who, a, n in plan:
             src = cache.users[user] if who == 0 else cache.assistant[rng.integers(len(cache.assistant))]
             lo, hi = _slice(rng, src["vad"], n)
-            placed.append((who, a, a + (hi - lo), lo, hi, src))
+            placed.append([who, a, a + (hi - lo), lo, hi, src])
+        for cur, nxt in zip(placed, placed[1:]):  # the user cuts into the model's reply: the model stops
+            if cur[0] == 1 and nxt[0] == 0 and nxt[1] < cur[2]:
+                cur[4] = cur[3] + (nxt[1] - cur[1])
+                cur[2] = nxt[1]
         s_start = min(p[1] for p in placed)
         s_end = max(p[2] for p in placed) - 1
         if s_end >= T - 1:
             break  # the session would not end inside the stream: stop here, rest is no dialog
-        for who, a, b, lo, hi, src in placed:
+        for i, (who, a, b, lo, hi, src) in enumerate(placed):
             if who == 0:
                 listen[a:b] = src[var][lo:hi]
                 user_mask[a:b] = True
@@ -359,10 +409,14 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
                 speaker_pos[a:b] = np.arange(lo, hi)
             else:
                 speak[a:b] = src["clean"][lo:hi]
-                k = a
-                while k < b:
-                    text[k] = rng.integers(4, 4000)
-                    k += int(rng.integers(spec.word_every[0], spec.word_every[1] + 1))
+                query, reply = lines[int(rng.integers(len(lines)))]
+                t0 = max(s_start, a - spec.text_lead)
+                r = reply[: b - t0]  # the monologue stops with the audio
+                text[t0:t0 + len(r)] = r
+                if query is not None and i > 0 and rng.random() < spec.query_p:
+                    q0 = t0 - int(rng.integers(spec.retrieval_wait[0], spec.retrieval_wait[1] + 1)) - len(query)
+                    q = query[max(0, s_start - q0):]  # written while the model is silent, inside the session
+                    text[max(q0, s_start):max(q0, s_start) + len(q)] = q
         for who, a, b, lo, hi, src in placed:  # echo after all user speech is known
             if who == 1 and rng.random() < spec.echo_p:
                 d = _steps(u(spec.echo_delay_s))

@@ -6,7 +6,8 @@ Steps: (1) encode the LibriSpeech sources once with the project's Mimi into a co
 uninterrupted one); (3) evaluate on held-out streams (held-out users and assistant utterances,
 clean and noised); (4) write fp16 weights + metadata to `--out`.
 
-The shipped offline default `egomem/data/trigger_tiny.safetensors` (1.5 MB) is made by
+The shipped offline default `egomem/data/trigger_tiny.safetensors` (1.5 MB), trained on the codes
+of the shipped trained tiny codec (`egomem train-codec`), is made by
 
     python -m egomem.trigger.train --data /work/shared/data/speech \
         --out egomem/data/trigger_tiny.safetensors --seed 0 --steps 3000
@@ -56,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=3)
     p.add_argument("--stream-steps", type=int, default=768, help="training stream length (80 ms steps)")
+    p.add_argument("--max-stream-steps", type=int, default=8192,
+                   help="a share --long-p of the steps trains on one stream of 1024..this many steps (the paper's 8,192)")
+    p.add_argument("--long-p", type=float, default=0.1, help="share of steps that train on one long stream")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--eval-streams", type=int, default=48, help="held-out streams per condition at the end")
@@ -113,8 +117,12 @@ def make_model(t, seed: int) -> TriggerModel:
 
 def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream_steps: int, lr: float,
         seed: int, ckpt: Path | None = None, ckpt_every: int = 100, resume: bool = True,
-        stop_after: int | None = None, progress: bool = True) -> list[float]:
+        stop_after: int | None = None, progress: bool = True, max_stream_steps: int | None = None,
+        long_p: float = 0.0) -> list[float]:
     """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
+
+    A share `long_p` of the steps trains on ONE stream of 1024..`max_stream_steps` steps instead of
+    `batch` streams of `stream_steps` (long streams cost quadratically in attention, so they are few).
 
     With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
     `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
@@ -137,13 +145,16 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         sched.load_state_dict(state["sched"])
         start, losses = state["step"], state["losses"]
         log.info("resuming from %s at step %d", ckpt, start)
-    spec = StreamSpec(steps=stream_steps)
     end = steps if stop_after is None else min(steps, start + stop_after)
     model.train()
     bar = tqdm(range(start, end), initial=start, total=steps, desc="train trigger", unit="step", disable=not progress)
     for step in bar:
         rng = np.random.default_rng([seed, step])
-        tokens, labels = synth_batch(cache, rng, spec, batch)  # [B,T,17], [B,T]
+        if max_stream_steps and rng.random() < long_p:
+            spec, b = StreamSpec(steps=int(rng.integers(1024, max_stream_steps + 1))), 1
+        else:
+            spec, b = StreamSpec(steps=stream_steps), batch
+        tokens, labels = synth_batch(cache, rng, spec, b)  # [B,T,17], [B,T]
         loss = loss_fn(model(torch.from_numpy(tokens)), torch.from_numpy(labels))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -173,7 +184,8 @@ def train(args: argparse.Namespace) -> dict:
     ckpt = args.ckpt_dir / "last.pt"
     t0 = time.time()
     losses = fit(model, train_cache, steps=args.steps, batch=args.batch, stream_steps=args.stream_steps, lr=args.lr,
-                 seed=args.seed, ckpt=ckpt, ckpt_every=args.ckpt_every, resume=not args.no_resume)
+                 seed=args.seed, ckpt=ckpt, ckpt_every=args.ckpt_every, resume=not args.no_resume,
+                 max_stream_steps=args.max_stream_steps, long_p=args.long_p)
     train_s = time.time() - t0
     from egomem.trigger.codec import build_codec, codec_fingerprint
 
@@ -184,6 +196,7 @@ def train(args: argparse.Namespace) -> dict:
         "codec_fingerprint": codec_fingerprint(build_codec(cfg.mimi)),
         "mimi_preset": cfg.mimi.preset,
         "mimi_weights": str(cfg.mimi.weights),
+        "mimi_codec": codec_name(cfg.mimi),
         "train_command": "python -m egomem.trigger.train " + shlex.join(args.argv),
         "seed": args.seed,
         "steps": args.steps,
@@ -195,6 +208,14 @@ def train(args: argparse.Namespace) -> dict:
                "first_loss": losses[0] if losses else None, "final_loss": meta["final_loss"], "heldout": results}
     print(json.dumps(summary, indent=1))
     return summary
+
+
+def codec_name(mimi) -> str:
+    """Which Mimi made the codes: its weights file name, or "random_init"."""
+    from egomem.codec.mimi import codec_weights
+
+    w = codec_weights(mimi)
+    return "random_init" if w is None else Path(w).name
 
 
 def main(argv: list[str] | None = None) -> int:
