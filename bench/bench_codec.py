@@ -158,17 +158,17 @@ def plot(result: dict, path: Path) -> None:
 
     names = list(result["codecs"])
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    keys = [("speaker_id", "clean"), ("speaker_id", "noised")]
-    labels = ["hist clean", "probe clean", "hist noised", "probe noised"]
+    measures = ("histogram", "probe", "latent_probe")
+    labels = [f"{m}\n{c}" for c in ("clean", "noised") for m in measures]
     x = np.arange(len(labels))
     for i, name in enumerate(names):
         s = result["codecs"][name]["speaker_id"]
-        vals = [s[c][m] for _, c in keys for m in ("histogram", "probe")]
-        axes[0].bar(x + i * 0.4, vals, 0.4, label=name)
+        axes[0].bar(x + i * 0.4, [s[c][m] for c in ("clean", "noised") for m in measures], 0.4, label=name)
     axes[0].axhline(1 / 51, color="grey", ls=":", label="chance")
-    axes[0].set_xticks(x + 0.2, labels, rotation=20)
+    axes[0].set_xticks(x + 0.2, labels, rotation=30, fontsize=7)
+    axes[0].set_ylim(0, 0.5)
     axes[0].set_title("speaker from codes (51 held-out speakers)")
-    axes[0].legend()
+    axes[0].legend(loc="upper left", fontsize=7)
     for ax, key, title in ((axes[1], "mel_distance", "log-mel distance (lower better)"),
                            (axes[2], "si_snr_db", "SI-SNR dB (higher better)")):
         ax.bar(names, [result["codecs"][n]["reconstruction"][key] for n in names], color=["C0", "C1"][:len(names)])
