@@ -113,6 +113,7 @@ class SpeechCrops:
     def __init__(self, files: list[Path], progress: bool = True) -> None:
         from tqdm import tqdm
 
+        from egomem.identity.voice import to_16k
         from egomem.trigger.synth import default_voice_encoder, load_24k
 
         voice = default_voice_encoder()
@@ -124,8 +125,6 @@ class SpeechCrops:
                 continue
             x = x / (np.abs(x).max() + 1e-9)
             self.audio.append(x.astype(np.float32))
-            from egomem.identity.voice import to_16k
-
             e = np.asarray(voice.embed_speech(to_16k(x, SAMPLE_RATE)), np.float32)
             voices.append(e / (np.linalg.norm(e) + 1e-9))
         if not self.audio:
@@ -302,7 +301,7 @@ class CodecTrainer:
         self.cfg, self.crops, self.work = cfg, crops, work
         mimi = mimi or MimiConfig(random_init=True)
         if mimi.preset != "tiny":
-            log.warning("training the '%s' Mimi preset on CPU is slow; the issue's budget is for 'tiny'", mimi.preset)
+            log.warning("training the '%s' Mimi preset on a CPU takes far longer than 'tiny' (about an hour)", mimi.preset)
         torch.manual_seed(cfg.seed)
         self.model = build_mimi(mimi).train()
         scale_input_conv(self.model, crops, cfg)
