@@ -7,6 +7,8 @@ per test session); each test gets its own empty database."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -92,17 +94,22 @@ STORE_BACKENDS = ("sqlite", "postgres")
 
 
 @pytest.fixture(scope="session")
-def pg_server(tmp_path_factory) -> str:
+def pg_server() -> str:
     """A PostgreSQL server for the whole test session: the pgserver wheel's PostgreSQL 16, started as a
-    child process on a Unix socket in a temporary folder (no root, no system package), stopped at the
-    end. Yields the superuser URI of its `postgres` database."""
+    child process on a Unix socket in a temporary folder (no root, no system package), stopped and
+    removed at the end. Yields the superuser URI of its `postgres` database. The folder is not under
+    pytest's basetemp: run as root, pgserver runs the server as an unprivileged user and opens the
+    folders above it to that user, and any pytest session starting meanwhile narrows basetemp's root
+    back to 0700, cutting the server off from its own data."""
     import pgserver
 
-    server = pgserver.get_server(tmp_path_factory.mktemp("pg"), cleanup_mode="stop")
+    folder = tempfile.mkdtemp(prefix="egomem-test-pg-")
+    server = pgserver.get_server(folder, cleanup_mode="stop")
     try:
         yield server.get_uri()
     finally:
         server.cleanup()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(params=STORE_BACKENDS)
