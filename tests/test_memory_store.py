@@ -392,3 +392,16 @@ def test_store_opens_a_new_database_while_another_process_writes_to_it(tmp_path)
     fresh = sqlite3.connect(path)
     assert fresh.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     fresh.close()
+
+
+def test_open_store_picks_the_configured_backend(backend):
+    from egomem.config import load_config
+    from egomem.memory import open_store
+    from egomem.memory.postgres import PostgresMemoryStore
+
+    s = open_store(backend.configure(load_config(env={})).memory)
+    assert isinstance(s, backend.store_class) and s.create_user("Ada").name == "Ada"
+    s.close()
+    with pytest.raises(StoreError, match="needs memory.dsn"):  # the factory's own check, past config validation
+        PostgresMemoryStore("")
+
