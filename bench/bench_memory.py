@@ -24,12 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from egomem.memory.sqlite import SQLiteMemoryStore
+from egomem.memory.store import MemoryStore
 from egomem.memory.types import PersonaUpdate
 
 RESULTS = Path(__file__).parent / "results"
+SHARED_FRACTION = 0.25  # one write in four goes to the user all writers share (writes for one user serialise)
 
 
-def seed_profile(s: SQLiteMemoryStore, name: str) -> str:
+def seed_profile(s: MemoryStore, name: str) -> str:
     """A realistic long-time user: 40 facts, 20 preferences, 90 persona dims, 10 summaries, 5 relations."""
     u = s.create_user(name).user_id
     for i in range(40):
@@ -44,6 +46,27 @@ def seed_profile(s: SQLiteMemoryStore, name: str) -> str:
     return u
 
 
+def memory_op(s: MemoryStore, u: str, rng: np.random.Generator, n: int, tag: str, last_fact: dict[str, str]) -> None:
+    """One memory operation of the mix, in its own durable transaction: add a fact (40 %), supersede
+    one (20 %), add a preference (20 %), a persona update (15 %), a summary (5 %)."""
+    r = rng.random()
+    if r < 0.4:
+        s.add_item(u, "fact", f"{tag} fact {n}")
+    elif r < 0.6 and last_fact.get(u):
+        try:
+            last_fact[u] = s.supersede_item(last_fact[u], f"{tag} fact {n} (updated)", reason="bench")
+        except Exception:  # noqa: BLE001 — another writer superseded it first: a real conflict
+            last_fact[u] = s.add_item(u, "fact", f"{tag} fact {n}", key="moving")
+    elif r < 0.6:
+        last_fact[u] = s.add_item(u, "fact", f"{tag} fact {n}", key="moving")
+    elif r < 0.8:
+        s.add_item(u, "preference", f"item {n}", polarity="like")
+    elif r < 0.95:
+        s.update_persona(u, [PersonaUpdate(int(rng.integers(90)), float(rng.random()), 0.5, "bench")])
+    else:
+        s.add_summary(u, f"{tag} summary {n}")
+
+
 def writer(db: str, shared: str, seconds: float, start: mp.Event, out: mp.Queue, sync: str, seed: int) -> None:
     s = SQLiteMemoryStore(db, busy_timeout_s=120, synchronous=sync)
     rng = np.random.default_rng(seed)
@@ -52,30 +75,19 @@ def writer(db: str, shared: str, seconds: float, start: mp.Event, out: mp.Queue,
     start.wait()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        u = shared if rng.random() < 0.25 else own
-        r = rng.random()
-        if r < 0.4:
-            s.add_item(u, "fact", f"w{seed} fact {n}")
-        elif r < 0.6 and last_fact.get(u):
-            try:
-                last_fact[u] = s.supersede_item(last_fact[u], f"w{seed} fact {n} (updated)", reason="bench")
-            except Exception:  # noqa: BLE001 — another writer superseded it first: a real conflict
-                last_fact[u] = s.add_item(u, "fact", f"w{seed} fact {n}", key="moving")
-        elif r < 0.6:
-            last_fact[u] = s.add_item(u, "fact", f"w{seed} fact {n}", key="moving")
-        elif r < 0.8:
-            s.add_item(u, "preference", f"item {n}", polarity="like")
-        elif r < 0.95:
-            s.update_persona(u, [PersonaUpdate(int(rng.integers(90)), float(rng.random()), 0.5, "bench")])
-        else:
-            s.add_summary(u, f"w{seed} summary {n}")
+        u = shared if rng.random() < SHARED_FRACTION else own
+        memory_op(s, u, rng, n, f"w{seed}", last_fact)
         n += 1
     out.put((n, time.perf_counter() - t0))
     s.close()
 
 
 def read_latencies(db: str, user: str, stop: threading.Event, max_reads: int = 100000) -> list[float]:
-    s = SQLiteMemoryStore(db)
+    return profile_reads(SQLiteMemoryStore(db), user, stop, max_reads)
+
+
+def profile_reads(s: MemoryStore, user: str, stop: threading.Event, max_reads: int = 100000) -> list[float]:
+    """render_profile latencies (s) until `stop` or `max_reads`; closes the store."""
     lat = []
     while not stop.is_set() and len(lat) < max_reads:
         t = time.perf_counter()

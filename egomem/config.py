@@ -144,9 +144,10 @@ class MemoryConfig:
     """The durable memory store and the memory manager."""
 
     database: Path = REPO_ROOT / "runs" / "memory.sqlite3"
-    backend: Literal["sqlite"] = "sqlite"  # PostgreSQL (several machines) implements the same MemoryStore later
+    backend: Literal["sqlite", "postgres"] = "sqlite"  # postgres: a PostgreSQL server at `dsn` (several machines)
+    dsn: str = ""  # backend "postgres": libpq URI/DSN, e.g. "postgresql://egomem@db:5432/egomem" (password: PGPASSWORD)
     synchronous: Literal["FULL", "NORMAL"] = "FULL"  # FULL: a commit survives a power cut, not only a killed process
-    busy_timeout_s: float = 30.0  # a writer waits this long for the write lock (8 writers on 2 cores)
+    busy_timeout_s: float = 30.0  # a writer waits this long for the write lock (8 writers on 2 cores); postgres: any lock
     chunk_dir: Path = REPO_ROOT / "runs" / "memory_chunks"  # stream chunks waiting for the worker
     keep_chunks: bool = False  # raw audio is user data: deleted once its job is done
     extractor: Literal["auto", "llm", "rules"] = "auto"  # auto: the LLM when its key is set, else the rules
@@ -465,6 +466,8 @@ def validate(cfg: Config, source: str = "config") -> None:
          f"trigger.max_chunk_steps = {t.max_chunk_steps} must exceed 2 x trigger.window_overlap_steps = "
          f"{2 * t.window_overlap_steps} (each window keeps its centre)")
     need(t.dim % t.num_heads == 0, f"trigger.dim = {t.dim} must be a multiple of trigger.num_heads = {t.num_heads}")
+    need(m.backend != "postgres" or bool(m.dsn.strip()),
+         "memory.backend = 'postgres' needs memory.dsn (e.g. 'postgresql://egomem@localhost:5432/egomem')")
     need(m.worker_poll_s < m.job_lease_s,
          f"memory.worker_poll_s = {m.worker_poll_s} must be below memory.job_lease_s = {m.job_lease_s}")
 

@@ -181,12 +181,16 @@ def check_identity(cfg: Config) -> Iterable[Finding]:
     voice_thr = i.voice_threshold_resemblyzer if i.voice_backend == "resemblyzer" else i.voice_threshold_wavlm
     yield Finding("ok", f"identification (live streams and memory worker alike): face {face} distance < {face_thr}, "
                         f"voice {voice} s-norm > {voice_thr}, conflicts -> {i.conflict_rule}")
-    db = Path(cfg.memory.database)
-    if not db.is_file():
+    if cfg.memory.backend == "sqlite" and not Path(cfg.memory.database).is_file():
         return
-    from egomem.memory.sqlite import SQLiteMemoryStore
+    from egomem.memory import open_store
+    from egomem.memory.errors import StoreError
 
-    store = SQLiteMemoryStore(db)
+    try:
+        store = open_store(cfg.memory)
+    except StoreError as e:  # e.g. the PostgreSQL server is down: the other checks still run
+        yield Finding("fail", f"memory store not readable: {e}", "start the database or fix memory.dsn")
+        return
     try:
         stray: dict[tuple[str, str], set[str]] = {}
         for k in store.list_keys():

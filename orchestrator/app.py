@@ -15,6 +15,7 @@ import logging
 import logging.handlers
 import os
 import queue
+import re
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -54,7 +55,8 @@ async def services_ctx(app: web.Application) -> AsyncIterator[None]:
                       functools.partial(step_cohort, gateway=gateway), oc.overlap_ticks)
     services = Services(cfg, triton, store, metrics, perception, gateway, clock)
     app[SERVICES] = services
-    log.info("orchestrator: Triton at %s, store %s, %d stream slots", triton.url, cfg.memory.database, oc.max_streams)
+    where = cfg.memory.database if cfg.memory.backend == "sqlite" else f"postgres {_dsn_without_password(cfg.memory.dsn)}"
+    log.info("orchestrator: Triton at %s, store %s, %d stream slots", triton.url, where, oc.max_streams)
     yield
     services.stop_streams()  # streams end their Triton sequences and flush memory
     await services.closed_streams(STREAMS_CLOSE_S)
@@ -120,5 +122,11 @@ def _log_from_a_thread() -> logging.handlers.QueueListener:
     return listener
 
 
+def _dsn_without_password(dsn: str) -> str:
+    """The DSN as it may be logged: a password in it (URI or key=value form) replaced by ***."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", re.sub(r"(password\s*=\s*)\S+", r"\1***", dsn))
+
+
 if __name__ == "__main__":
     main()
+

@@ -1,10 +1,15 @@
 """Shared fixtures. `triton` is a real tritonserver (from the nvidia-pytriton wheel) on the project's
 model repository, started once per test session in explicit model-control mode; tests load the
-models they need with `triton.load(name)`."""
+models they need with `triton.load(name)`. `backend` runs a memory-store test once per store backend
+(SQLite, and PostgreSQL on `pg_server`: a real PostgreSQL 16 from the pgserver wheel, started once
+per test session); each test gets its own empty database."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from egomem.config import Config, load_config, with_overrides
 from egomem.serving.launcher import TritonServer, free_port
+from tests.memory_helpers import StoreBackend
 
 DATA = Path(__file__).parent / "data"
 
@@ -82,3 +88,37 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+STORE_BACKENDS = ("sqlite", "postgres")
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> str:
+    """A PostgreSQL server for the whole test session: the pgserver wheel's PostgreSQL 16, started as a
+    child process on a Unix socket in a temporary folder (no root, no system package), stopped and
+    removed at the end. Yields the superuser URI of its `postgres` database. The folder is not under
+    pytest's basetemp: run as root, pgserver runs the server as an unprivileged user and opens the
+    folders above it to that user, and any pytest session starting meanwhile narrows basetemp's root
+    back to 0700, cutting the server off from its own data."""
+    import pgserver
+
+    folder = tempfile.mkdtemp(prefix="egomem-test-pg-")
+    server = pgserver.get_server(folder, cleanup_mode="stop")
+    try:
+        yield server.get_uri()
+    finally:
+        server.cleanup()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def backend(request, tmp_path) -> StoreBackend:
+    """The store backend this run of a test uses, with a fresh database (a file in tmp_path, or a
+    CREATE DATABASE on `pg_server`, dropped afterwards)."""
+    uri = request.getfixturevalue("pg_server") if request.param == "postgres" else None
+    b = StoreBackend(request.param, tmp_path, uri, prefix=f"t{uuid.uuid4().hex[:12]}")
+    try:
+        yield b
+    finally:
+        b.drop()

@@ -32,6 +32,7 @@ def test_defaults_pass_validation():
      ("trigger.max_chunk_steps", "trigger.window_overlap_steps")),
     ({"server": {"grpc_port": 8000}}, ("server.http_port", "server.grpc_port")),
     ({"memory": {"worker_poll_s": 60.0}}, ("memory.worker_poll_s", "memory.job_lease_s")),
+    ({"memory": {"backend": "postgres"}}, ("memory.backend", "memory.dsn")),
     ({"mimi": {"max_streams": 0}}, ("mimi.max_streams",)),
     ({"orchestrator": {"max_streams": 20}}, ("orchestrator.max_streams", "dialog.max_streams")),
     ({"mimi": {"max_streams": 4}}, ("orchestrator.max_streams", "mimi.max_streams")),

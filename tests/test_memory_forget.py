@@ -1,8 +1,10 @@
-"""Forget leaves nothing behind (issue #11), on real SQLite files and real chunk files:
+"""Forget leaves nothing behind (issue #11), on both store backends (the `backend` fixture: real
+SQLite files, and a real PostgreSQL server) and real chunk files:
 (a) memory jobs still queued or running when the forget lands cannot bring the person back;
-(b) the raw bytes of the database (and WAL) hold neither the id nor the name afterwards;
+(b) the raw bytes of the database (SQLite: file and WAL; PostgreSQL: the tables' files) hold neither
+the id nor the name afterwards;
 (c) every name the person ever had is redacted, not only the current one;
-plus the owner-only file modes of the database and the memory chunks."""
+plus (`sqlite_only`) the owner-only file modes of the database and the memory chunks."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from egomem.config import load_config
 from egomem.memory.chunk import StreamChunk, submit_chunk
 from egomem.memory.commit import derived_id
 from egomem.memory.redact import MARKER, name_pattern
 from egomem.memory.sqlite import SQLiteMemoryStore
+from egomem.memory.store import MemoryStore
 from egomem.memory.types import ItemDecision, Provenance, SessionCommit
 from egomem.memory.worker import build_manager, process_next_job
 from tests.memory_helpers import FACE_B, FACE_Z, VOICE_Z, ColumnLabeler, make_chunk, near
@@ -56,20 +60,18 @@ def pending_chunk() -> StreamChunk:
     ], audio=True)
 
 
-def cfg_for(tmp: Path):
+def cfg_for(tmp: Path, backend=None):
     cfg = load_config(env={})
     cfg.memory.database = tmp / "memory.sqlite3"
+    if backend is not None:
+        backend.configure(cfg)
     cfg.memory.chunk_dir = tmp / "chunks"
     cfg.memory.extractor = "rules"
     cfg.memory.job_retry_base_s = 0.0
     return cfg
 
 
-def raw_bytes(db: Path) -> bytes:
-    return b"".join(p.read_bytes() for p in db.parent.iterdir() if p.name.startswith(db.name))
-
-
-def assert_zelda_gone(store: SQLiteMemoryStore, zelda: str, vecs: list[np.ndarray], bob: str) -> None:
+def assert_zelda_gone(store: MemoryStore, zelda: str, vecs: list[np.ndarray], bob: str) -> None:
     """Nobody is Zelda again: no user of her name or with a key like hers, none of her facts
     anywhere; Bob's memories from the same chunk are kept (her name in them redacted)."""
     users = store.list_users()
@@ -89,9 +91,9 @@ def assert_zelda_gone(store: SQLiteMemoryStore, zelda: str, vecs: list[np.ndarra
     assert not any(e.user_id == zelda for e in store.op_log())
 
 
-def test_a_queued_job_cannot_bring_a_forgotten_person_back(tmp_path):
-    cfg = cfg_for(tmp_path)
-    store = SQLiteMemoryStore(cfg.memory.database)
+def test_a_queued_job_cannot_bring_a_forgotten_person_back(tmp_path, backend):
+    cfg = cfg_for(tmp_path, backend)
+    store = backend.open()
     mgr = build_manager(cfg, store, labeler=ColumnLabeler())
     out = mgr.process_chunk(enrol_chunk())
     zelda, bob = out[0].user_id, out[1].user_id
@@ -114,13 +116,13 @@ def test_a_queued_job_cannot_bring_a_forgotten_person_back(tmp_path):
     done = process_next_job(mgr, cfg, "w1")
     assert done.status == "done", done.error
     assert_zelda_gone(store, zelda, vecs, bob)
-    store.close()
-    assert b"Zelda" not in raw_bytes(cfg.memory.database) and zelda.encode() not in raw_bytes(cfg.memory.database)
+    raw = backend.raw_bytes(store)
+    assert b"Zelda" not in raw and zelda.encode() not in raw
 
 
-def test_a_running_job_that_read_the_chunk_before_the_forget_cannot_commit_it(tmp_path):
-    cfg = cfg_for(tmp_path)
-    store = SQLiteMemoryStore(cfg.memory.database)
+def test_a_running_job_that_read_the_chunk_before_the_forget_cannot_commit_it(tmp_path, backend):
+    cfg = cfg_for(tmp_path, backend)
+    store = backend.open()
     out = build_manager(cfg, store, labeler=ColumnLabeler()).process_chunk(enrol_chunk())
     zelda, bob = out[0].user_id, out[1].user_id
     vecs = [k.vector for k in store.list_keys(user_id=zelda)]
@@ -149,11 +151,12 @@ def test_a_running_job_that_read_the_chunk_before_the_forget_cannot_commit_it(tm
     assert_zelda_gone(store, zelda, vecs, bob)
 
 
-def test_raw_database_bytes_hold_no_trace_and_the_check_reads_them(tmp_path, monkeypatch):
-    """secure_delete zeroes deleted cells, but forget's own deletes rebalance pages while the
-    person's later rows still exist, leaving stale copies in the pages' unallocated gaps."""
-    def populate(db: Path) -> tuple[SQLiteMemoryStore, str]:
-        s = SQLiteMemoryStore(db, synchronous="NORMAL")
+def test_raw_database_bytes_hold_no_trace_and_the_check_reads_them(backend, monkeypatch):
+    """SQLite: secure_delete zeroes deleted cells, but forget's own deletes rebalance pages while the
+    person's later rows still exist, leaving stale copies in the pages' unallocated gaps. PostgreSQL:
+    a deleted or updated row stays in the table file until a vacuum; VACUUM FULL writes new files."""
+    def populate(db: str) -> tuple[MemoryStore, str]:
+        s = backend.open(db, synchronous="NORMAL")
         others = [s.create_user(f"Other {i}") for i in range(10)]
         victim = s.create_user("Victor Vexley")
         for r in range(100):
@@ -161,27 +164,25 @@ def test_raw_database_bytes_hold_no_trace_and_the_check_reads_them(tmp_path, mon
             s.add_fact(others[r % 10].user_id, f"short {r}")
         return s, victim.user_id
 
-    s, vid = populate(tmp_path / "a" / "m.db")
+    s, vid = populate("a")
     receipt = s.forget_user(vid)
     assert receipt.leftovers == [] and receipt.wal_clean
-    s.close()
-    raw = raw_bytes(tmp_path / "a" / "m.db")
+    raw = backend.raw_bytes(s, "a")
     for needle in (vid.encode(), vid[:8].encode(), b"Victor Vexley", b"victor vexley"):
         assert needle not in raw, needle
 
     # the proof scan reads the file's bytes, not only its cells: without the VACUUM it sees the stale copies
-    monkeypatch.setattr(SQLiteMemoryStore, "_scrub", lambda self: True)
-    s, vid = populate(tmp_path / "b" / "m.db")
+    monkeypatch.setattr(backend.store_class, "_scrub", lambda self: True)
+    s, vid = populate("b")
     receipt = s.forget_user(vid)
-    assert any(h.startswith("m.db (id,") for h in receipt.leftovers), receipt.leftovers
-    assert all(h.startswith(("m.db ", "m.db-wal ")) for h in receipt.leftovers), receipt.leftovers  # no cell holds it
-    assert any(h.startswith("m.db (id,") for h in s.verify_forgotten(vid))
+    assert any("(id," in h and h.endswith(" byte matches)") for h in receipt.leftovers), receipt.leftovers
+    assert all(h.endswith("matches)") for h in receipt.leftovers), receipt.leftovers  # files only: no cell holds it
+    assert any("(id," in h for h in s.verify_forgotten(vid))
     s.close()
 
 
-def test_every_name_the_person_had_is_redacted(tmp_path):
-    db = tmp_path / "m.db"
-    s = SQLiteMemoryStore(db)
+def test_every_name_the_person_had_is_redacted(backend):
+    s = backend.open()
     max_ = s.create_user("Max Moe")
     s.rename_user(max_.user_id, "Maximilian Moe-Ortega", reason="corrected by Max Moe")  # PATCH /api/users/{id}
     ann = s.create_user("Ann Lee")
@@ -203,13 +204,14 @@ def test_every_name_the_person_had_is_redacted(tmp_path):
     logged = " ".join(f"{e.reason} {e.detail}" for e in s.op_log())
     assert "Max" not in logged and "Moe" not in logged, logged
     assert s.verify_forgotten(max_.user_id, name=["Max Moe", "Maximilian Moe-Ortega"]) == []
-    s.close()
-    raw = raw_bytes(db)
+    raw = backend.raw_bytes(s)
     for needle in (b"Max Moe", b"max moe", b"MAX MOE", b"Maximilian", max_.user_id.encode()):
         assert needle not in raw, needle
 
 
+@pytest.mark.sqlite_only
 def test_database_and_chunk_files_are_owner_only(tmp_path):
+    """SQLite only: the modes of its database files (and of the chunk files, which do not depend on the backend)."""
     old = os.umask(0o022)  # the usual umask: without care, files come out 0644 and folders 0755
     try:
         db = tmp_path / "runs" / "memory.sqlite3"
@@ -254,7 +256,7 @@ def test_redact_chunk_splits_names_across_pieces_and_keeps_others():
     assert redact_pieces([(1, "Maxine Moe"), (2, "Max Moexx")], pat) == ([(1, "Maxine Moe"), (2, "Max Moexx")], 0)
 
 
-def test_forget_through_the_served_api_redacts_every_name_and_scans_the_file(tmp_path):
+def test_forget_through_the_served_api_redacts_every_name_and_scans_the_file(tmp_path, backend):
     """PATCH renames Max, DELETE forgets him: the old name and the new one are gone from Ann's facts
     and the op log as the API returns them, the verification scans the database bytes, and the
     database file holds neither name nor id."""
@@ -263,7 +265,8 @@ def test_forget_through_the_served_api_redacts_every_name_and_scans_the_file(tmp
     from tests.conftest import test_config
     from tests.orchestrator_harness import ADMIN_TOKEN, OrchestratorThread, orchestrator_config, run
 
-    cfg = orchestrator_config(test_config(tmp_path), tmp_path, identify_models=False, retrieval=False)
+    cfg = backend.configure(orchestrator_config(test_config(tmp_path), tmp_path, identify_models=False,
+                                                retrieval=False))
     store = open_store(cfg.memory)
     max_, ann = store.create_user("Max Moe"), store.create_user("Ann Lee")
     store.add_fact(ann.user_id, "works with Max Moe on radar")
@@ -281,23 +284,23 @@ def test_forget_through_the_served_api_redacts_every_name_and_scans_the_file(tmp
     assert res["receipt"]["redacted"]["memory_items.text"] == 2
     assert sorted(f["text"] for f in facts) == [f"sails with {MARKER}", f"works with {MARKER} on radar"]
     assert "Max" not in str(ops) and max_.user_id not in str(ops)
-    raw = raw_bytes(cfg.memory.database)
+    raw = backend.raw_bytes(open_store(cfg.memory))
     for needle in (b"Max Moe", b"Maximilian", max_.user_id.encode()):
         assert needle not in raw, needle
 
 
-def test_the_check_reads_waiting_chunks_and_reports_one_it_cannot_redact(tmp_path, monkeypatch):
-    from egomem.memory.sqlite import forget as sqlite_store
+def test_the_check_reads_waiting_chunks_and_reports_one_it_cannot_redact(tmp_path, monkeypatch, backend):
+    from egomem.memory.sql import forget as shared_forget
 
-    store = SQLiteMemoryStore(tmp_path / "m.db")
+    store = backend.open()
     zelda = store.create_user("Zelda")
     chunks = tmp_path / "chunks"
     named = submit_chunk(store, chunks, make_chunk("s1", 0, [{"span": (90, 140), "face": FACE_B,
                                                               "user": [(95, "My friend Zelda is here.")]}], audio=True))
     broken = submit_chunk(store, chunks, make_chunk("s1", 1, [{"span": (90, 140), "user": [(95, "Hello Zelda.")]}], audio=True))
     (Path(broken.payload["chunk_dir"]) / "arrays.npz").write_bytes(b"not a zip")
-    real = sqlite_store.redact_chunk
-    monkeypatch.setattr(sqlite_store, "redact_chunk", lambda folder, *a: {} if folder.name == "00000000" else real(folder, *a))
+    real = shared_forget.redact_chunk
+    monkeypatch.setattr(shared_forget, "redact_chunk", lambda folder, *a: {} if folder.name == "00000000" else real(folder, *a))
     receipt = store.forget_user(zelda.user_id)
     assert any(h.startswith("chunk ") and h.endswith("00000000 of job " + named.job_id + " (name, 1 matches)")
                for h in receipt.leftovers), receipt.leftovers
@@ -332,8 +335,9 @@ def test_a_recording_not_yet_cut_loses_the_person_before_it_becomes_a_chunk():
     assert not chunk.listen_audio[:28 * 1920].any() and chunk.listen_audio[28 * 1920:].all()  # steps 0..27: hers
 
 
+@pytest.mark.sqlite_only
 def test_a_chunk_cut_before_the_forget_reaches_the_queue_first_and_is_redacted(tmp_path):
-    """A stream cut its recording (naming Zelda) just before an admin forgets her; the chunk's way into
+    """SQLite only (its write lock holds the hand-off back). A stream cut its recording (naming Zelda) just before an admin forgets her; the chunk's way into
     the job queue is still under way (here: held behind the database's write lock). The forget waits
     for the hand-off (`Services.handoffs_done`), so its pass over the queue finds and redacts the chunk,
     instead of the chunk landing unredacted after it."""

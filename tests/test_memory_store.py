@@ -1,5 +1,6 @@
-"""The memory store on real SQLite files: history, forget, merge, the op log, the job queue,
-migrations and concurrent writers (threads and processes)."""
+"""The memory store on both backends (the `backend` fixture: real SQLite files, and a real PostgreSQL
+server): history, forget, merge, the op log, the job queue, migrations and concurrent writers
+(threads and processes). Tests marked `sqlite_only` check what only SQLite has (WAL, its files)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from egomem.identity.identify import FACE_MODEL_IDS, VOICE_MODEL_IDS
 from egomem.memory.errors import StoreError, VersionConflict
 from egomem.memory.redact import MARKER, mentions, name_pattern, redact
 from egomem.memory.sqlite import SQLiteMemoryStore
-from egomem.memory.sqlite import connection as sqlite_store
+from egomem.memory.store import MemoryStore
 from egomem.memory.types import ItemDecision, NewKey, PersonaUpdate, Provenance, SessionCommit
 
 PY = sys.executable
@@ -38,8 +39,8 @@ def unit(seed: int, d: int = 128) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
-def test_supersede_keeps_history_and_logs_reasons(tmp_path):
-    s = SQLiteMemoryStore(tmp_path / "m.db")
+def test_supersede_keeps_history_and_logs_reasons(backend):
+    s = backend.open()
     u = s.create_user("Ada")
     a = s.add_item(u.user_id, "fact", "lives in Paris", key="lives_in")
     b = s.supersede_item(a, "lives in Rome", reason="said she moved")
@@ -59,26 +60,28 @@ def test_supersede_keeps_history_and_logs_reasons(tmp_path):
         s.supersede_item(a, "lives in Oslo")
 
 
-def test_op_log_is_append_only(tmp_path):
-    s = SQLiteMemoryStore(tmp_path / "m.db")
+def test_op_log_is_append_only(backend):
+    s = backend.open()
     s.create_user("Ada")
     c = s._conn()
-    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+    with pytest.raises(backend.db_error, match="append-only"):
         c.execute("UPDATE op_log SET reason = 'x'")
-    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+    with pytest.raises(backend.db_error, match="append-only"):
         c.execute("DELETE FROM op_log")
     # forget's guard lets it redact the free text (reason, detail), never rewrite what happened
     c.execute("BEGIN")
     c.execute("INSERT INTO forget_guard (active) VALUES (1)")
     for col, val in [("op", "'x'"), ("user_id", "'someone'"), ("ts", "0"), ("actor", "'x'"), ("target", "'x'")]:
-        with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        c.execute("SAVEPOINT attempt")  # PostgreSQL aborts the whole transaction on an error, SQLite the statement
+        with pytest.raises(backend.db_error, match="append-only"):
             c.execute(f"UPDATE op_log SET {col} = {val}")
+        c.execute("ROLLBACK TO SAVEPOINT attempt")
     c.execute("UPDATE op_log SET reason = 'redacted'")
     c.execute("ROLLBACK")
     assert len(s.op_log()) == 1 and s.op_log()[0].reason != "redacted" and s.op_log()[0].op == "create_user"
 
 
-def _populate_zelda(s: SQLiteMemoryStore) -> tuple[str, str, list[np.ndarray]]:
+def _populate_zelda(s: MemoryStore) -> tuple[str, str, list[np.ndarray]]:
     """Zelda (to forget) and Bob (to keep), linked both ways, with a processed session."""
     bob = s.create_user("Bob")
     s.add_fact(bob.user_id, "plays chess", key="hobby")
@@ -100,9 +103,8 @@ def _populate_zelda(s: SQLiteMemoryStore) -> tuple[str, str, list[np.ndarray]]:
     return zid, bob.user_id, [face, voice]
 
 
-def test_forget_leaves_no_trace_in_any_table_index_or_file(tmp_path):
-    db = tmp_path / "m.db"
-    s = SQLiteMemoryStore(db)
+def test_forget_leaves_no_trace_in_any_table_index_or_file(backend):
+    s = backend.open()
     zid, bob, vectors = _populate_zelda(s)
     ident = StoreBackedIdentifier(s, IdentityConfig())  # the one identifier, [identity] defaults
     assert ident.identify(vectors[0][None], None).user_id == zid
@@ -113,12 +115,11 @@ def test_forget_leaves_no_trace_in_any_table_index_or_file(tmp_path):
     assert receipt.deleted["biometric_keys"] == 2 and receipt.deleted["sessions"] == 1
     assert s.verify_forgotten(zid, vectors, "Zelda Quixbury") == []
     assert s.verify_forgotten(zid, vectors, "Quentin Zorblat") == []  # the brother only she mentioned
-    # not in the bytes of the database files either (secure_delete + WAL truncated)
-    s.close()
-    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("m.db"))
+    # not in the bytes of the database files either (sqlite: secure_delete + WAL truncated; postgres: VACUUM FULL)
+    raw = backend.raw_bytes(s)
     for needle in [zid.encode(), b"Zelda Quixbury", b"Quentin Zorblat"] + [v.astype("<f4").tobytes() for v in vectors]:
         assert needle not in raw
-    s = SQLiteMemoryStore(db)
+    s = backend.open()
     # Bob keeps his own memories; the forget itself is logged, naming no one
     assert [f.text for f in s.facts(bob)] == ["plays chess"] and s.relations(bob) == []
     last = s.op_log()[-1]
@@ -139,11 +140,10 @@ def test_redaction_rule_whole_name_words_case_whitespace_json():
     assert name_pattern(["unknown_user", "  "]) is None
 
 
-def test_forget_redacts_the_name_from_other_users_memories(tmp_path):
+def test_forget_redacts_the_name_from_other_users_memories(backend):
     """Ann mentions Zoë Quist by name in a transcript, facts (one superseded), a summary, persona
     evidence, an op-log reason, an LLM answer and a dead letter; forget(Zoë) leaves the name nowhere."""
-    db = tmp_path / "m.db"
-    s = SQLiteMemoryStore(db)
+    s = backend.open()
     zoe = s.create_user("Zoë Quist")
     s.add_key(zoe.user_id, "face", "m_face", unit(7))
     s.add_fact(zoe.user_id, "builds radar antennas")
@@ -171,12 +171,11 @@ def test_forget_redacts_the_name_from_other_users_memories(tmp_path):
         assert receipt.redacted.get(cell, 0) >= 1, cell
     assert receipt.redacted["memory_items.text"] == 2  # the superseded (history) row too
     assert s.verify_forgotten(zoe.user_id, name="Zoë Quist") == []
-    s.close()
-    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("m.db"))
+    raw = backend.raw_bytes(s)
     for needle in ["Zoë Quist", "ZOË QUIST", "zoë quist", "Zoë  Quist", "Zo\\u00eb Quist", zoe.user_id]:
         assert needle.encode() not in raw, needle
 
-    s = SQLiteMemoryStore(db)
+    s = backend.open()
     # Ann's memories stay, readable, with the marker where the name was; the first name alone stays
     assert sorted(f.text for f in s.facts(ann.user_id)) == ["plays chess", f"works with {MARKER} on radar"]
     hist = sorted(i.text for i in s.items(ann.user_id, "fact", history=True))
@@ -190,13 +189,13 @@ def test_forget_redacts_the_name_from_other_users_memories(tmp_path):
     assert f"said her colleague {MARKER} helps her" in [e.reason for e in s.op_log(ann.user_id)]
     last = s.op_log()[-1]
     assert last.op == "forget" and last.detail["redacted"] == receipt.redacted
-    with pytest.raises(sqlite3.DatabaseError, match="append-only"):  # the log is still append-only
+    with pytest.raises(backend.db_error, match="append-only"):  # the log is still append-only
         s._conn().execute("UPDATE op_log SET reason = 'x'")
     s.close()
 
 
-def test_merge_users_moves_everything_and_leaves_a_tombstone(tmp_path):
-    s = SQLiteMemoryStore(tmp_path / "m.db")
+def test_merge_users_moves_everything_and_leaves_a_tombstone(backend):
+    s = backend.open()
     a, b = s.create_user("Ada"), s.create_user()
     s.add_key(b.user_id, "face", "m", unit(3))
     s.add_item(b.user_id, "fact", "has a cat")
@@ -216,8 +215,8 @@ def test_merge_users_moves_everything_and_leaves_a_tombstone(tmp_path):
         s.add_item(b.user_id, "fact", "x")
 
 
-def test_commit_session_is_idempotent_and_version_guarded(tmp_path):
-    s = SQLiteMemoryStore(tmp_path / "m.db")
+def test_commit_session_is_idempotent_and_version_guarded(backend):
+    s = backend.open()
     u = s.create_user("Ada")
     prov = Provenance("t", "manual", session_id="s1")
     c = SessionCommit("s1", "st", 0, 0, 9, 1.0, prov, user_id=u.user_id, expected_version=u.version,
@@ -234,9 +233,9 @@ def test_commit_session_is_idempotent_and_version_guarded(tmp_path):
     assert s.get_session("s2") is None and len(s.facts(u.user_id)) == 1  # nothing of it was written
 
 
-def test_job_queue_survives_restart_leases_retries_and_dead_letters(tmp_path):
-    db, clock = tmp_path / "m.db", Clock()
-    s = SQLiteMemoryStore(db, clock=clock)
+def test_job_queue_survives_restart_leases_retries_and_dead_letters(backend):
+    clock = Clock()
+    s = backend.open(clock=clock)
     j1 = s.enqueue_job("memory_chunk", "k1", {"chunk_dir": "/a"}, max_attempts=2)
     assert s.enqueue_job("memory_chunk", "k1", {"chunk_dir": "/other"}).job_id == j1.job_id  # idempotent by key
     s.enqueue_job("memory_chunk", "k2", {"chunk_dir": "/b"})
@@ -244,7 +243,7 @@ def test_job_queue_survives_restart_leases_retries_and_dead_letters(tmp_path):
     assert claimed.job_id == j1.job_id and claimed.attempts == 1
     s.close()
 
-    s = SQLiteMemoryStore(db, clock=clock)  # restart: jobs, payloads and the lease are still there
+    s = backend.open(clock=clock)  # restart: jobs, payloads and the lease are still there
     jobs = {j.key: j for j in s.list_jobs()}
     assert jobs["k1"].status == "running" and jobs["k1"].payload == {"chunk_dir": "/a"}
     assert jobs["k2"].status == "queued"
@@ -272,32 +271,32 @@ def test_job_queue_survives_restart_leases_retries_and_dead_letters(tmp_path):
     assert done.status == "done" and done.payload is None and done.result == {"ok": 1}
 
 
-def test_forward_migration_and_refusing_a_newer_schema(tmp_path, monkeypatch):
-    db = tmp_path / "m.db"
-    real, current = dict(sqlite_store.MIGRATIONS), sqlite_store.SCHEMA_VERSION
-    monkeypatch.setattr(sqlite_store, "MIGRATIONS", {1: real[1]})  # a database made by the first release
-    monkeypatch.setattr(sqlite_store, "SCHEMA_VERSION", 1)
-    s = SQLiteMemoryStore(db)
+def test_forward_migration_and_refusing_a_newer_schema(backend, monkeypatch):
+    mod = backend.connection_module  # where the backend's store reads MIGRATIONS / SCHEMA_VERSION
+    real, current = dict(mod.MIGRATIONS), mod.SCHEMA_VERSION
+    monkeypatch.setattr(mod, "MIGRATIONS", {1: real[1]})  # a database made by the first release
+    monkeypatch.setattr(mod, "SCHEMA_VERSION", 1)
+    s = backend.open()
     u = s.create_user("Ada")
     assert s.schema_version() == 1
     s.close()
     nxt = dict(real)
     nxt[current + 1] = "ALTER TABLE users ADD COLUMN locale TEXT;\nCREATE INDEX users_name ON users(name);"
-    monkeypatch.setattr(sqlite_store, "MIGRATIONS", nxt)
-    monkeypatch.setattr(sqlite_store, "SCHEMA_VERSION", current + 1)
-    s = SQLiteMemoryStore(db)
+    monkeypatch.setattr(mod, "MIGRATIONS", nxt)
+    monkeypatch.setattr(mod, "SCHEMA_VERSION", current + 1)
+    s = backend.open()
     assert s.schema_version() == current + 1 and s.get_user(u.user_id).name == "Ada"
-    assert "locale" in [r[1] for r in s._conn().execute("PRAGMA table_info(users)")]
-    with pytest.raises(sqlite3.DatabaseError, match="only forget"):  # v2's guarded op-log trigger is in place
+    assert "locale" in backend.columns(s, "users")
+    with pytest.raises(backend.db_error, match="only forget"):  # the guarded op-log trigger is in place
         s._conn().execute("UPDATE op_log SET reason = 'x'")
     s.close()
-    monkeypatch.setattr(sqlite_store, "SCHEMA_VERSION", current)
+    monkeypatch.setattr(mod, "SCHEMA_VERSION", current)
     with pytest.raises(StoreError, match="newer than this code"):
-        SQLiteMemoryStore(db)
+        backend.open()
 
 
-def test_concurrent_writers_threads_one_user(tmp_path):
-    s = SQLiteMemoryStore(tmp_path / "m.db", busy_timeout_s=60)
+def test_concurrent_writers_threads_one_user(backend):
+    s = backend.open(busy_timeout_s=60)
     u = s.create_user("Ada")
     errors: list[BaseException] = []
 
@@ -323,9 +322,11 @@ def test_concurrent_writers_threads_one_user(tmp_path):
 
 _PROC = """
 import sys
-from egomem.memory.sqlite import SQLiteMemoryStore
-from egomem.memory.types import PersonaUpdate
-s = SQLiteMemoryStore(sys.argv[1], busy_timeout_s=60)
+if sys.argv[4] == "sqlite":
+    from egomem.memory.sqlite import SQLiteMemoryStore as Store
+else:
+    from egomem.memory.postgres import PostgresMemoryStore as Store
+s = Store(sys.argv[1], busy_timeout_s=60)
 w, shared = int(sys.argv[2]), sys.argv[3]
 own = s.create_user(f"user{w}")
 for i in range(20):
@@ -335,12 +336,11 @@ print(own.user_id)
 """
 
 
-def test_concurrent_writer_processes_same_and_different_users(tmp_path):
-    db = tmp_path / "m.db"
-    s = SQLiteMemoryStore(db)
+def test_concurrent_writer_processes_same_and_different_users(backend):
+    s = backend.open()
     shared = s.create_user("Shared").user_id
-    procs = [subprocess.Popen([PY, "-c", _PROC, str(db), str(w), shared], stdout=subprocess.PIPE, text=True)
-             for w in range(4)]
+    procs = [subprocess.Popen([PY, "-c", _PROC, backend.target(), str(w), shared, backend.name],
+                              stdout=subprocess.PIPE, text=True) for w in range(4)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, outs
     own_ids = [o.strip() for o, _ in outs]
@@ -350,8 +350,8 @@ def test_concurrent_writer_processes_same_and_different_users(tmp_path):
     assert len(s.list_users()) == 5
 
 
-def test_profile_rendering_and_neighbour_memories(tmp_path):
-    s = SQLiteMemoryStore(tmp_path / "m.db")
+def test_profile_rendering_and_neighbour_memories(backend):
+    s = backend.open()
     ada, bo = s.create_user("Ada"), s.create_user("Bo")
     s.add_item(ada.user_id, "fact", "lives in Paris")
     s.add_item(ada.user_id, "preference", "jazz", polarity="like")
@@ -373,8 +373,9 @@ def test_profile_rendering_and_neighbour_memories(tmp_path):
     assert back[0].name == "Ada" and back[0].inverse is True and "lives in Paris" in back[0].items
 
 
+@pytest.mark.sqlite_only
 def test_store_opens_a_new_database_while_another_process_writes_to_it(tmp_path):
-    """A worker and an orchestrator opening the same new file together: switching it to WAL needs the file to
+    """SQLite only (WAL). A worker and an orchestrator opening the same new file together: switching it to WAL needs the file to
     itself and SQLite refuses that at once (no busy wait) while another connection holds its write lock; the
     store retries for its busy timeout instead of failing the open."""
     path = tmp_path / "new.sqlite3"
@@ -391,3 +392,16 @@ def test_store_opens_a_new_database_while_another_process_writes_to_it(tmp_path)
     fresh = sqlite3.connect(path)
     assert fresh.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     fresh.close()
+
+
+def test_open_store_picks_the_configured_backend(backend):
+    from egomem.config import load_config
+    from egomem.memory import open_store
+    from egomem.memory.postgres import PostgresMemoryStore
+
+    s = open_store(backend.configure(load_config(env={})).memory)
+    assert isinstance(s, backend.store_class) and s.create_user("Ada").name == "Ada"
+    s.close()
+    with pytest.raises(StoreError, match="needs memory.dsn"):  # the factory's own check, past config validation
+        PostgresMemoryStore("")
+

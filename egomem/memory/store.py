@@ -8,9 +8,10 @@ vectors, `neighbour_memories()` for Level-2 documents.
 
 `MemoryStore` is three interfaces in one backend: people, memories and sessions (here), the job
 queue (jobqueue.py `JobQueue`) and the LLM answer cache (llmcache.py `LLMCache`). Backends:
-`SQLiteMemoryStore` (egomem/memory/sqlite/, WAL, embedded default). A PostgreSQL backend implements
-the same abstract methods and storage only: `render_profile` / `neighbour_memories` are written once
-here on top of them, and the rules of a session commit once in commit.py. Errors: errors.py.
+`SQLiteMemoryStore` (egomem/memory/sqlite/, WAL, embedded default) and `PostgresMemoryStore`
+(egomem/memory/postgres/), both on the SQL of egomem/memory/sql/; they implement the abstract methods
+and storage only: `render_profile` / `neighbour_memories` are written once here on top of them, and
+the rules of a session commit once in commit.py. Errors: errors.py.
 All methods are thread-safe; several processes may open the same database.
 """
 

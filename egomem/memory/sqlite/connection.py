@@ -1,4 +1,4 @@
-"""The SQLite connections, transactions, migrations and operation log that every part of the store uses.
+"""The SQLite connections, transactions and migrations that every part of the store uses.
 
 WAL mode, one connection per thread, explicit write transactions. Durability: `synchronous=FULL` by
 default, so a committed transaction survives a killed process and a power cut. Every write runs in
@@ -12,35 +12,20 @@ Migrations: schema.py (`MIGRATIONS`, `SCHEMA_VERSION`), run in order when a stor
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from egomem.memory.errors import StoreError
+from egomem.memory.sql.base import SQLBase
 from egomem.memory.sqlite.schema import MIGRATIONS, SCHEMA_VERSION
-from egomem.memory.types import OpLogEntry, Provenance, User
-
-USER_COLS = "user_id, name, created_at, updated_at, version, merged_into"
 
 
-def where_equal(query: str, **columns: Any) -> tuple[str, list[Any]]:
-    """`query` (which ends in a WHERE clause) narrowed by `AND column = ?` for every given value
-    (None or "" leaves that column unfiltered); returns the query and its parameters."""
-    params: list[Any] = []
-    for column, value in columns.items():
-        if value:
-            query += f" AND {column} = ?"
-            params.append(value)
-    return query, params
-
-
-class Connections:
-    """The base of `SQLiteMemoryStore`: opening, transactions, migrations, the op log, shared row helpers."""
+class Connections(SQLBase):
+    """The base of `SQLiteMemoryStore`: opening, transactions, migrations (the op log and row helpers: sql/base.py)."""
 
     def __init__(self, path: str | Path, busy_timeout_s: float = 30.0, synchronous: str = "FULL",
                  job_max_attempts: int = 5, clock: Callable[[], float] = time.time,
@@ -52,11 +37,7 @@ class Connections:
         if synchronous not in ("FULL", "NORMAL"):
             raise StoreError(f"synchronous = {synchronous!r}; allowed: 'FULL', 'NORMAL'")
         self._sync = synchronous
-        self._job_max_attempts = job_max_attempts
-        self._clock = clock
-        # a queued chunk's face / voice poll within this cosine distance of a forgotten person's key
-        # (and nearer to it than to anyone else's) is theirs and removed (memory/chunk.py redact_chunk)
-        self._forget_distance = {"face": forget_face_distance, "voice": forget_voice_distance}
+        self._settings(job_max_attempts, clock, forget_face_distance, forget_voice_distance)
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._all_lock = threading.Lock()
@@ -142,44 +123,6 @@ class Connections:
                     c.close()
             self._all.clear()
         self._local = threading.local()
-
-    # ------------------------------------------------------------------ helpers
-
-    def _log(self, c: sqlite3.Connection, op: str, prov: Provenance, user_id: str | None, target: str | None,
-             reason: str = "", related_user_id: str | None = None, detail: dict[str, Any] | None = None) -> None:
-        c.execute(
-            "INSERT INTO op_log (ts, op, actor, user_id, related_user_id, target, session_id, llm_model, "
-            "prompt_hash, reason, detail) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (self._clock(), op, prov.actor, user_id, related_user_id, target, prov.session_id, prov.llm_model,
-             prov.prompt_hash, reason, json.dumps(detail or {}, sort_keys=True)),
-        )
-
-    def _live_user(self, c: sqlite3.Connection, user_id: str) -> User:
-        row = c.execute(f"SELECT {USER_COLS} FROM users WHERE user_id = ?", (user_id,)).fetchone()
-        if row is None:
-            raise StoreError(f"unknown user {user_id!r}")
-        u = User(*row)
-        if u.merged_into is not None:
-            raise StoreError(f"user {user_id!r} was merged into {u.merged_into!r}; write to that one")
-        return u
-
-    def _touch(self, c: sqlite3.Connection, user_id: str) -> None:
-        c.execute("UPDATE users SET version = version + 1, updated_at = ? WHERE user_id = ?", (self._clock(), user_id))
-
-    def _bump_keys_generation(self, c: sqlite3.Connection) -> None:
-        c.execute("UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE name = 'keys_generation'")
-
-    # ------------------------------------------------------------------ operation log
-
-    def op_log(self, user_id: str | None = None, after_op_id: int = 0, limit: int = 1000) -> list[OpLogEntry]:
-        q = ("SELECT op_id, ts, op, actor, user_id, related_user_id, target, session_id, llm_model, prompt_hash, "
-             "reason, detail FROM op_log WHERE op_id > ?")
-        params: list[Any] = [after_op_id]
-        if user_id:
-            q += " AND (user_id = ? OR related_user_id = ?)"
-            params += [user_id, user_id]
-        rows = self._conn().execute(q + " ORDER BY op_id LIMIT ?", params + [limit])
-        return [OpLogEntry(*r[:-1], json.loads(r[-1] or "{}")) for r in rows]
 
 
 def _private_files(db: Path) -> None:

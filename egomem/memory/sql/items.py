@@ -1,16 +1,15 @@
-"""Memories in the SQLite store: facts and preferences (superseded, never overwritten), summaries,
+"""Memories in a SQL store (both backends): facts and preferences (superseded, never overwritten), summaries,
 the persona, relations, and the whole-profile snapshot."""
 
 from __future__ import annotations
 
-import sqlite3
 import uuid
 from collections.abc import Sequence
 
 from egomem.memory import checks
 from egomem.memory import persona as persona_dims
 from egomem.memory.errors import StoreError
-from egomem.memory.sqlite.connection import USER_COLS, where_equal
+from egomem.memory.sql.base import USER_COLS, Conn, where_equal
 from egomem.memory.store import MANUAL
 from egomem.memory.types import (
     MemoryItem,
@@ -32,7 +31,7 @@ _REL_COLS = "relation_id, user_id, other_user_id, relation, valid_from, invalid_
 class Items:
     """Facts, preferences, summaries, persona and relations of one user; `profile` reads them all at once."""
 
-    def _insert_item(self, c: sqlite3.Connection, item_id: str, user_id: str, kind: str, text: str,
+    def _insert_item(self, c: Conn, item_id: str, user_id: str, kind: str, text: str,
                      key: str | None, polarity: str | None, valid_from: float, prov: Provenance, reason: str) -> None:
         checks.memory_item(kind, text, polarity)
         c.execute(f"INSERT INTO memory_items ({_ITEM_COLS}, created_at) VALUES (?,?,?,?,?,?,?,NULL,NULL,?,?,?)",
@@ -41,9 +40,10 @@ class Items:
         self._log(c, "add", prov, user_id, f"memory_items:{item_id}", reason,
                   detail={"kind": kind, "key": key, "text": text.strip(), "polarity": polarity})
 
-    def _close_item(self, c: sqlite3.Connection, user_id: str, item_id: str, at: float, superseded_by: str | None,
+    def _close_item(self, c: Conn, user_id: str, item_id: str, at: float, superseded_by: str | None,
                     prov: Provenance, reason: str) -> None:
-        row = c.execute("SELECT user_id, invalid_at FROM memory_items WHERE item_id = ?", (item_id,)).fetchone()
+        row = c.execute(f"SELECT user_id, invalid_at FROM memory_items WHERE item_id = ?{self.ROW_LOCK}",
+                        (item_id,)).fetchone()
         if row is None or row[0] != user_id:
             raise StoreError(f"memory item {item_id!r} is not one of user {user_id!r}'s")
         if row[1] is not None:
@@ -53,7 +53,7 @@ class Items:
         self._log(c, "supersede" if superseded_by else "retract", prov, user_id, f"memory_items:{item_id}", reason,
                   detail={"superseded_by": superseded_by} if superseded_by else {})
 
-    def _item_row(self, c: sqlite3.Connection, item_id: str) -> MemoryItem:
+    def _item_row(self, c: Conn, item_id: str) -> MemoryItem:
         row = c.execute(f"SELECT {_ITEM_COLS} FROM memory_items WHERE item_id = ?", (item_id,)).fetchone()
         if row is None:
             raise StoreError(f"unknown memory item {item_id!r}")
@@ -84,13 +84,14 @@ class Items:
     def retract_item(self, item_id: str, prov: Provenance = MANUAL, reason: str = "") -> None:
         with self._write() as c:
             old = self._item_row(c, item_id)
+            self._lock_users(c, [old.user_id])
             self._close_item(c, old.user_id, item_id, self._clock(), None, prov, reason)
             self._touch(c, old.user_id)
 
     def items(self, user_id: str, kind: str | None = None, history: bool = False) -> list[MemoryItem]:
         return self._items(self._conn(), user_id, kind, history)
 
-    def _items(self, c: sqlite3.Connection, user_id: str, kind: str | None, history: bool) -> list[MemoryItem]:
+    def _items(self, c: Conn, user_id: str, kind: str | None, history: bool) -> list[MemoryItem]:
         q, params = where_equal(f"SELECT {_ITEM_COLS} FROM memory_items WHERE user_id = ?", kind=kind)
         params.insert(0, user_id)
         if not history:
@@ -107,7 +108,7 @@ class Items:
             self._touch(c, user_id)
         return sid
 
-    def _insert_summary(self, c: sqlite3.Connection, summary_id: str, user_id: str, text: str, at: float,
+    def _insert_summary(self, c: Conn, summary_id: str, user_id: str, text: str, at: float,
                         prov: Provenance) -> None:
         c.execute("INSERT INTO summaries (summary_id, user_id, session_id, text, origin, created_at) VALUES (?,?,?,?,?,?)",
                   (summary_id, user_id, prov.session_id, text.strip(), prov.origin, at))
@@ -116,7 +117,7 @@ class Items:
     def summaries(self, user_id: str, limit: int = 20) -> list[Summary]:
         return self._summaries(self._conn(), user_id, limit)
 
-    def _summaries(self, c: sqlite3.Connection, user_id: str, limit: int) -> list[Summary]:
+    def _summaries(self, c: Conn, user_id: str, limit: int) -> list[Summary]:
         rows = c.execute("SELECT summary_id, user_id, session_id, text, origin, created_at FROM summaries "
                          "WHERE user_id = ? ORDER BY created_at DESC, summary_id LIMIT ?", (user_id, limit))
         return [Summary(*r) for r in rows]
@@ -124,12 +125,12 @@ class Items:
     def persona(self, user_id: str) -> dict[int, PersonaValue]:
         return self._persona(self._conn(), user_id)
 
-    def _persona(self, c: sqlite3.Connection, user_id: str) -> dict[int, PersonaValue]:
+    def _persona(self, c: Conn, user_id: str) -> dict[int, PersonaValue]:
         rows = c.execute("SELECT dim, value, confidence, evidence, origin FROM persona WHERE user_id = ? ORDER BY dim",
                          (user_id,))
         return {r[0]: PersonaValue(*r) for r in rows}
 
-    def _merge_persona(self, c: sqlite3.Connection, user_id: str, updates: Sequence[PersonaUpdate],
+    def _merge_persona(self, c: Conn, user_id: str, updates: Sequence[PersonaUpdate],
                        prov: Provenance) -> None:
         have = self._persona(c, user_id)
         for u in updates:
@@ -151,7 +152,7 @@ class Items:
             self._merge_persona(c, user_id, updates, prov)
             self._touch(c, user_id)
 
-    def _insert_relation(self, c: sqlite3.Connection, relation_id: str, user_id: str, other: str, relation: str,
+    def _insert_relation(self, c: Conn, relation_id: str, user_id: str, other: str, relation: str,
                          at: float, prov: Provenance) -> bool:
         relation = checks.relation_words(relation)
         if c.execute("SELECT 1 FROM relations WHERE user_id = ? AND other_user_id = ? AND relation = ? "
@@ -168,6 +169,7 @@ class Items:
         if user_id == other_user_id:
             raise StoreError("a relation links two different users")
         with self._write() as c:
+            self._lock_users(c, sorted((user_id, other_user_id)))
             self._live_user(c, user_id)
             self._live_user(c, other_user_id)
             if self._insert_relation(c, rid, user_id, other_user_id, relation, self._clock(), prov):
@@ -177,7 +179,7 @@ class Items:
     def relations(self, user_id: str) -> list[tuple[Relation, str]]:
         return self._relations(self._conn(), user_id)
 
-    def _relations(self, c: sqlite3.Connection, user_id: str) -> list[tuple[Relation, str]]:
+    def _relations(self, c: Conn, user_id: str) -> list[tuple[Relation, str]]:
         cols = ", ".join(f"r.{x.strip()}" for x in _REL_COLS.split(","))
         rows = c.execute(
             f"SELECT {cols}, u.name FROM relations r JOIN users u ON u.user_id = "

@@ -1,14 +1,14 @@
-"""The job queue and dead letters in the SQLite store (the `JobQueue` interface, jobqueue.py)."""
+"""The job queue and dead letters in a SQL store, both backends (the `JobQueue` interface, jobqueue.py)."""
 
 from __future__ import annotations
 
 import json
-import sqlite3
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from egomem.memory.errors import StoreError
+from egomem.memory.sql.base import Conn
 from egomem.memory.types import DeadLetter, Job
 
 _JOB_COLS = "job_id, job_key, kind, payload, status, attempts, max_attempts, lease_until, worker, result, error"
@@ -43,7 +43,7 @@ class Jobs:
                 if kinds:
                     q += f" AND kind IN ({','.join('?' * len(kinds))})"
                     params += list(kinds)
-                row = c.execute(q + " ORDER BY available_at, created_at LIMIT 1", params).fetchone()
+                row = c.execute(q + " ORDER BY available_at, created_at LIMIT 1" + self.CLAIM_LOCK, params).fetchone()
                 if row is None:
                     return None
                 job = self._job(row)
@@ -54,7 +54,7 @@ class Jobs:
                           "updated_at = ? WHERE job_id = ?", (now + lease_s, worker, now, job.job_id))
                 return self._job(c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE job_id = ?", (job.job_id,)).fetchone())
 
-    def _kill_job(self, c: sqlite3.Connection, job: Job, error: str) -> None:
+    def _kill_job(self, c: Conn, job: Job, error: str) -> None:
         now = self._clock()
         c.execute("UPDATE jobs SET status = 'dead', error = ?, lease_until = NULL, updated_at = ? WHERE job_id = ?",
                   (error, now, job.job_id))
@@ -77,7 +77,7 @@ class Jobs:
 
     def fail_job(self, job_id: str, worker: str, error: str, retry_in_s: float) -> Job:
         with self._write() as c:
-            row = c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            row = c.execute(f"SELECT {_JOB_COLS} FROM jobs WHERE job_id = ?{self.ROW_LOCK}", (job_id,)).fetchone()
             if row is None:
                 raise StoreError(f"unknown job {job_id!r}")
             job = self._job(row)

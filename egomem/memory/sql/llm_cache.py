@@ -1,4 +1,4 @@
-"""The LLM answer cache in the SQLite store (the `LLMCache` interface, llmcache.py)."""
+"""The LLM answer cache in a SQL store, both backends (the `LLMCache` interface, llmcache.py)."""
 
 from __future__ import annotations
 

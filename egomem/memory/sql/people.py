@@ -1,9 +1,8 @@
-"""People in the SQLite store: users, renames, merges, name history, biometric keys."""
+"""People in a SQL store (both backends): users, renames, merges, name history, biometric keys."""
 
 from __future__ import annotations
 
 import json
-import sqlite3
 import uuid
 from collections.abc import Sequence
 
@@ -11,7 +10,7 @@ import numpy as np
 
 from egomem.memory import checks
 from egomem.memory.errors import StoreError
-from egomem.memory.sqlite.connection import USER_COLS, where_equal
+from egomem.memory.sql.base import USER_COLS, Conn, marks, where_equal
 from egomem.memory.store import MANUAL
 from egomem.memory.types import UNKNOWN_USER, BiometricKey, Modality, Provenance, User
 
@@ -19,7 +18,7 @@ from egomem.memory.types import UNKNOWN_USER, BiometricKey, Modality, Provenance
 class People:
     """Users (create, rename, merge), every name a user had, and the biometric keys (vector index source)."""
 
-    def _insert_user(self, c: sqlite3.Connection, user_id: str, name: str, prov: Provenance, reason: str) -> User:
+    def _insert_user(self, c: Conn, user_id: str, name: str, prov: Provenance, reason: str) -> User:
         now = self._clock()
         c.execute("INSERT INTO users (user_id, name, created_at, updated_at, version) VALUES (?,?,?,?,0)",
                   (user_id, name, now, now))
@@ -63,7 +62,9 @@ class People:
             self._merge(c, keep_id, drop_id, prov, reason)
         return self.get_user(keep_id)
 
-    def _merge(self, c: sqlite3.Connection, keep_id: str, drop_id: str, prov: Provenance, reason: str) -> None:
+    def _merge(self, c: Conn, keep_id: str, drop_id: str, prov: Provenance, reason: str) -> None:
+        self._lock_directory(c)
+        self._lock_users(c, sorted((keep_id, drop_id)))
         keep = self._live_user(c, keep_id)
         drop = self._live_user(c, drop_id)
         for table in ("biometric_keys", "memory_items", "summaries", "sessions"):
@@ -92,12 +93,11 @@ class People:
         self._bump_keys_generation(c)
         self._log(c, "merge_users", prov, keep_id, f"users:{drop_id}", reason, related_user_id=drop_id)
 
-    def _name_history(self, c: sqlite3.Connection, ids: Sequence[str]) -> list[str]:
+    def _name_history(self, c: Conn, ids: Sequence[str]) -> list[str]:
         """Every name of these users: current ones, and each name their op-log rows recorded
         (create_user, rename: PATCH and names learnt from sessions), oldest first."""
-        marks = ",".join("?" * len(ids))
-        names = [r[0] for r in c.execute(f"SELECT name FROM users WHERE user_id IN ({marks})", list(ids))]
-        for (detail,) in c.execute(f"SELECT detail FROM op_log WHERE user_id IN ({marks}) "
+        names = [r[0] for r in c.execute(f"SELECT name FROM users WHERE user_id IN ({marks(ids)})", list(ids))]
+        for (detail,) in c.execute(f"SELECT detail FROM op_log WHERE user_id IN ({marks(ids)}) "
                                    "AND op IN ('create_user', 'rename') ORDER BY op_id", list(ids)):
             d = json.loads(detail or "{}")
             names += [d[k] for k in ("name", "old", "new") if isinstance(d.get(k), str)]
@@ -115,7 +115,7 @@ class People:
 
     # ------------------------------------------------------------------ biometric keys
 
-    def _insert_key(self, c: sqlite3.Connection, key_id: str, user_id: str, modality: str, model_id: str,
+    def _insert_key(self, c: Conn, key_id: str, user_id: str, modality: str, model_id: str,
                     vector: np.ndarray, prov: Provenance) -> None:
         blob = checks.key_vector(modality, vector).tobytes()
         c.execute("INSERT INTO biometric_keys (key_id, user_id, modality, model_id, dim, vector, session_id, created_at) "

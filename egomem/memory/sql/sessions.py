@@ -1,10 +1,9 @@
-"""Sessions in the SQLite store: reading them, and `commit_session` — the rules of a commit are in
-egomem/memory/commit.py (`apply_session`); this module gives them SQLite's primitives inside one
-write transaction (`_Writer`) and cleans up after a refused, redacted chunk."""
+"""Sessions in a SQL store (both backends): reading them, and `commit_session` — the rules of a commit
+are in egomem/memory/commit.py (`apply_session`); this module gives them the store's primitives
+inside one write transaction (`_Writer`) and cleans up after a refused, redacted chunk."""
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +11,7 @@ import numpy as np
 
 from egomem.memory.commit import apply_session
 from egomem.memory.errors import ChunkRedacted
-from egomem.memory.sqlite.connection import where_equal
+from egomem.memory.sql.base import Conn, where_equal
 from egomem.memory.types import (
     MemoryItem,
     PersonaUpdate,
@@ -52,13 +51,14 @@ class Sessions:
 
     def _commit_session(self, m: SessionCommit) -> bool:
         with self._write() as c:
+            self._lock_directory(c)  # it may create or merge users by name
             return apply_session(_Writer(self, c), m)
 
 
 class _Writer:
-    """commit.py's `SessionWriter` on one SQLite write transaction of the store `s`."""
+    """commit.py's `SessionWriter` on one write transaction of the store `s`."""
 
-    def __init__(self, s: Any, c: sqlite3.Connection):
+    def __init__(self, s: Any, c: Conn):
         self.s, self.c = s, c
 
     def session_exists(self, session_id: str) -> bool:
