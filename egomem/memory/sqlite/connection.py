@@ -166,8 +166,14 @@ class Connections:
     def _touch(self, c: sqlite3.Connection, user_id: str) -> None:
         c.execute("UPDATE users SET version = version + 1, updated_at = ? WHERE user_id = ?", (self._clock(), user_id))
 
-    def _bump_keys_generation(self, c: sqlite3.Connection) -> None:
+    def _bump_keys_generation(self, c: sqlite3.Connection, removal: bool = False) -> int:
+        """Next keys generation (inside the caller's write transaction); `removal`: keys were deleted or
+        moved to another user, so readers must rebuild rather than add (schema v4). Returns it."""
         c.execute("UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE name = 'keys_generation'")
+        gen = int(c.execute("SELECT value FROM meta WHERE name = 'keys_generation'").fetchone()[0])
+        if removal:
+            c.execute("UPDATE meta SET value = ? WHERE name = 'keys_removed_generation'", (str(gen),))
+        return gen
 
     # ------------------------------------------------------------------ operation log
 
