@@ -6,12 +6,15 @@
 Embeddings: synthetic, shaped like the real speaker embeddings this system stores. A Gaussian is fitted
 to the shipped s-norm cohort (251 real Resemblyzer GE2E embeddings, 256-d: mean + the cohort's own
 deviations as a low-rank covariance, plus a little isotropic noise to make it full rank). Users are
-clustered: `--clusters` centres are drawn from that Gaussian (deviation scaled by √(1 − 0.7²)) and each
-user is centre + 0.7 × a fresh deviation (so the total variance is the cohort's), L2-normalised, so users come in groups of similar voices (as accents / sexes / ages do) and
-the inter-user cosine spread matches the real cohort's (both reported). One voice key per user.
+clustered: `--clusters` centres are drawn from that Gaussian (deviation scaled by √(1 − 0.7²)) and
+each user is centre + 0.7 × a fresh deviation (so the total variance is the cohort's), L2-normalised:
+users come in groups of similar voices (as accents / sexes / ages do) and the inter-user cosines
+match the real cohort's (mean 0.58, sd 0.08; both reported). One voice key per user.
 Queries: an enrolled user's key + a deviation drawn from the same covariance, scaled so the median
-cosine(query, enrolled key) is `--query-cos` (0.85: GE2E re-recordings of one speaker on LibriSpeech
-score ~0.75-0.9; bench_identity's raw-cosine EER threshold is 0.71).
+cosine(query, enrolled key) is `--query-cos` (0.85: an assumption, not measured here; bench_identity's
+same-speaker LibriSpeech pairs lie mostly above its raw-cosine EER threshold 0.71). The deviation lies
+in the between-speaker directions, so it moves a query towards other users: harder for an index
+than isotropic noise of the same size.
 
 Measured per size and index kind (one faiss/OpenMP thread for queries, as in the model processes):
   - `identify` p50/p99: `Identifier.identify(voice_vec=q)` with the configured s-norm (top

@@ -4,6 +4,9 @@ issue #16 point 5. Timing is not tested here (bench/bench_identify_scale.py meas
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -145,6 +148,34 @@ def test_refresh_adds_a_key_written_by_another_connection_and_rebuilds_after_for
     theirs.merge_users(users[0], users[1], Provenance("admin", "manual"), reason="same person")
     assert ident.identify(faces[4][None], None).face_user == users[0]  # user 1's key now answers as user 0
     assert ident.rebuilds == 3
+
+
+_WRITER = """
+import sys
+import numpy as np
+from egomem.memory.sqlite import SQLiteMemoryStore
+s = SQLiteMemoryStore(sys.argv[1])
+u = s.create_user("From another process")
+s.add_key(u.user_id, "face", sys.argv[2], np.load(sys.argv[3]))
+print(u.user_id)
+"""
+
+
+def test_a_key_written_by_another_process_is_found_without_a_rebuild(tmp_path) -> None:
+    db = tmp_path / "m.db"
+    s = SQLiteMemoryStore(db)
+    rng = np.random.default_rng(7)
+    for i, v in enumerate(clustered(rng, 2500, FACE_DIM)):
+        s.add_key(s.create_user(f"user {i}").user_id, "face", FACE, v)
+    ident = StoreBackedIdentifier(s, ivf_config(), use_snorm=False)
+    assert ident.indexed_users() and ident.identifier.index.index_kind("face", FACE) == "ivf"
+    face = unit(rng.normal(size=FACE_DIM))
+    np.save(tmp_path / "face.npy", face)
+    out = subprocess.run([sys.executable, "-c", _WRITER, str(db), FACE, str(tmp_path / "face.npy")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert ident.identify(face[None], None).user_id == out.stdout.strip()
+    assert (ident.rebuilds, ident.incremental_adds) == (1, 1)
 
 
 def test_store_key_changes_are_additions_until_a_removal(tmp_path) -> None:
