@@ -125,6 +125,17 @@ class IdentityConfig:
     min_voiced_s: float = 1.0  # less voiced speech than this is neither enrolled nor matched (GE2E needs ~1.6 s)
     max_audio_s: float = 60.0  # longer clips are refused rather than stalling the encoder
     conflict_rule: Literal["face", "voice", "reject"] = "face"  # face and voice accept different users: who wins
+    # Key search per embedding space (egomem/identity/index.py): "exact" brute force; "ivf" / "hnsw" an approximate
+    # faiss index whose candidates are re-scored exactly; "auto" = exact below index_approx_min_keys keys, ivf above
+    index: Literal["exact", "ivf", "hnsw", "auto"] = "auto"
+    index_approx_min_keys: int = 100_000  # "auto" switches a space to ivf at this many keys (exact search: ~4 ms at 100k)
+    index_candidates: int = 128  # keys the approximate index hands to exact re-scoring (>= snorm_candidates)
+    ivf_nlist: int = 0  # IVF lists; 0 = 2·sqrt(keys) rounded to a power of two, at most 4096
+    ivf_nprobe: int = 192  # lists searched per query: recall@1 0.99 needs ~128 at 1M users (bench_identify_scale)
+    ivf_retrain_growth: float = 4.0  # the IVF is retrained (more lists) once a space holds this many times its keys at training
+    hnsw_m: int = 32  # HNSW links per node
+    hnsw_ef_construction: int = 64  # HNSW build-time beam (build time vs graph quality)
+    hnsw_ef_search: int = 256  # HNSW search beam (at least index_candidates is used)
 
 
 @dataclass
@@ -410,13 +421,15 @@ POSITIVE = (
     "mimi.max_streams", "dialog.max_streams", "orchestrator.max_streams", "dialog.top_k_text", "dialog.top_k_audio",
     "identity.face_threshold_dlib", "identity.face_threshold_deepface", "identity.voice_threshold_resemblyzer",
     "identity.voice_threshold_wavlm", "identity.cohort_size", "identity.cohort_top_k", "identity.max_image_pixels",
-    "identity.face_detect_max_side", "identity.max_audio_s", "retrieval.top_k", "orchestrator.poll_interval_s",
+    "identity.face_detect_max_side", "identity.max_audio_s", "identity.index_approx_min_keys",
+    "identity.index_candidates", "identity.ivf_nprobe", "identity.hnsw_m", "identity.hnsw_ef_construction",
+    "identity.hnsw_ef_search", "retrieval.top_k", "orchestrator.poll_interval_s",
     "orchestrator.identify_window_s", "orchestrator.triton_timeout_s", "orchestrator.chunk_steps",
     "orchestrator.send_queue_messages", "orchestrator.max_message_bytes", "memory.job_lease_s",
     "memory.job_max_attempts", "memory.worker_poll_s", "memory.busy_timeout_s", "llm.max_attempts",
     "asr.max_attempts", "trigger.num_heads", "trigger.max_chunk_steps")
 NON_NEGATIVE = ("dialog.l1_steps", "dialog.l2_steps", "dialog.ring_steps", "dialog.temperature",
-                "trigger.window_overlap_steps")
+                "trigger.window_overlap_steps", "identity.ivf_nlist")
 
 
 def validate(cfg: Config, source: str = "config") -> None:
@@ -455,6 +468,14 @@ def validate(cfg: Config, source: str = "config") -> None:
                                       f"{context}-step context (dialog.preset)")
     need(i.cohort_top_k <= i.cohort_size,
          f"identity.cohort_top_k = {i.cohort_top_k} exceeds identity.cohort_size = {i.cohort_size}")
+    need(i.index_candidates >= i.snorm_candidates,
+         f"identity.index_candidates = {i.index_candidates} is below identity.snorm_candidates = "
+         f"{i.snorm_candidates}: the approximate index must hand s-norm at least as many keys as it re-scores")
+    need(i.ivf_retrain_growth > 1.0, f"identity.ivf_retrain_growth = {i.ivf_retrain_growth} must be > 1 (1 would "
+                                     f"retrain the IVF at every added key)")
+    need(i.ivf_nlist == 0 or i.ivf_nprobe <= i.ivf_nlist,
+         f"identity.ivf_nprobe = {i.ivf_nprobe} exceeds identity.ivf_nlist = {i.ivf_nlist}; lower the first "
+         f"(or set ivf_nlist = 0 for the automatic size)")
     need(i.min_voiced_s < i.max_audio_s,
          f"identity.min_voiced_s = {i.min_voiced_s} must be below identity.max_audio_s = {i.max_audio_s}")
     need(cfg.orchestrator.identify_window_s >= i.min_voiced_s,

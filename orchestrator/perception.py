@@ -2,7 +2,7 @@
 
 - `Perception.faces(jpeg)` / `.voice(pcm)`: the `face_encoder` / `speaker_encoder` models on Triton.
 - `Perception.identify(...)`: `egomem.identity.StoreBackedIdentifier` (the memory worker uses the same), its index
-  rebuilt whenever `store.keys_generation()` changes (enrolment, merge, forget).
+  synced when `store.keys_generation()` changes (enrolment: keys added; merge, forget: rebuilt).
 - `Perception.retrieve(user_id, query)`: Level-2 retrieval (`egomem.retrieval`) over the user's
   relation-graph neighbours, re-ranked with the `text_encoder` model on Triton.
 Store and retrieval calls are synchronous; callers run them with `asyncio.to_thread`.

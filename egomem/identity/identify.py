@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 
 from egomem.config import IdentityConfig
-from egomem.identity.index import KeyRecord, UserKeyIndex
+from egomem.identity.index import IndexParams, KeyRecord, UserKeyIndex
 from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
 
 ConflictRule = Literal["face", "voice", "reject"]
@@ -78,7 +78,7 @@ class Identifier:
             snorm = AdaptiveSNorm.from_file(cfg.cohort_file or default_cohort_file(voice_id), cfg.cohort_top_k, cfg.cohort_size)
         face_thr = cfg.face_threshold_dlib if cfg.face_backend == "dlib" else cfg.face_threshold_deepface
         voice_thr = cfg.voice_threshold_resemblyzer if cfg.voice_backend == "resemblyzer" else cfg.voice_threshold_wavlm
-        return cls(index or UserKeyIndex(), face_id, voice_id, face_thr, voice_thr, snorm, cfg.snorm_candidates,
+        return cls(index or UserKeyIndex(IndexParams.from_config(cfg)), face_id, voice_id, face_thr, voice_thr, snorm, cfg.snorm_candidates,
                    cfg.conflict_rule)
 
     # -- enrolment ------------------------------------------------------------------------------
@@ -116,22 +116,27 @@ class Identifier:
             row = self.index.search_users("voice", self.voice_model_id, v, 1)[0]
             return (row[0].user_id, row[0].score, row[0].score) if row else (None, None, None)
         scores, ids = self.index.search_keys("voice", self.voice_model_id, v, self.snorm_candidates)
-        if ids.shape[1] == 0:
+        live = ids[0] >= 0  # an approximate index may end a row early
+        scores, ids = scores[0][live], ids[0][live]
+        if ids.size == 0:
             return None, None, None
         test = self.snorm.stats(v)
-        enrol = np.array([self._key_stats(int(k)) for k in ids[0]])  # [C, 2]
-        s_norm = AdaptiveSNorm.normalize(scores[0], (enrol[:, 0], enrol[:, 1]), (test[0][0], test[1][0]))
+        enrol = self._keys_stats(ids)  # [C, 2]
+        s_norm = AdaptiveSNorm.normalize(scores, (enrol[:, 0], enrol[:, 1]), (test[0][0], test[1][0]))
         best = int(np.argmax(s_norm))
-        user = self.index.key_user("voice", self.voice_model_id, int(ids[0, best]))
-        return user, float(s_norm[best]), float(scores[0, best])
+        user = self.index.key_user("voice", self.voice_model_id, int(ids[best]))
+        return user, float(s_norm[best]), float(scores[best])
 
-    def _key_stats(self, key_id: int) -> tuple[float, float]:
-        st = self._enrol_stats.get(key_id)
-        if st is None:  # keys added straight to the index (rebuild from the store): compute once, cache
-            assert self.snorm is not None
-            mu, sd = self.snorm.stats(self.index.key_vector("voice", self.voice_model_id, key_id))
-            st = self._enrol_stats[key_id] = (float(mu[0]), float(sd[0]))
-        return st
+    def _keys_stats(self, key_ids: np.ndarray) -> np.ndarray:
+        """(μ_e, σ_e) of each key [C, 2]. Keys added straight to the index (from the store) get theirs
+        computed here once, all missing ones in one cohort product, and cached."""
+        assert self.snorm is not None
+        missing = [int(k) for k in key_ids if int(k) not in self._enrol_stats]
+        if missing:
+            vecs = np.stack([self.index.key_vector("voice", self.voice_model_id, k) for k in missing])
+            mu, sd = self.snorm.stats(vecs)
+            self._enrol_stats.update(zip(missing, zip(mu.tolist(), sd.tolist())))
+        return np.array([self._enrol_stats[int(k)] for k in key_ids], dtype=np.float64).reshape(-1, 2)
 
     def identify(self, face_vecs: np.ndarray | None = None, voice_vec: np.ndarray | None = None,
                  speaker: int = 0) -> Identification:

@@ -3,8 +3,8 @@
 The store is the source of truth for everything remembered about people (docs/architecture.md#memory-store): users,
 biometric keys, facts and preferences (superseded, never overwritten), summaries, the 90-dimension
 persona, relations, sessions, the durable job queue, dead letters and the append-only operation
-log. Every index (faiss vectors, BM25) is rebuilt from it: `list_keys()` + `keys_generation()` for
-vectors, `neighbour_memories()` for Level-2 documents.
+log. Every index (faiss vectors, BM25) is rebuilt from it: `list_keys()` + `keys_generation()` (and
+`key_changes()` for incremental adds) for vectors, `neighbour_memories()` for Level-2 documents.
 
 `MemoryStore` is three interfaces in one backend: people, memories and sessions (here), the job
 queue (jobqueue.py `JobQueue`) and the LLM answer cache (llmcache.py `LLMCache`). Backends:
@@ -29,6 +29,7 @@ from egomem.memory.types import (
     UNKNOWN_USER,
     BiometricKey,
     ForgetReceipt,
+    KeyChanges,
     MemoryItem,
     Modality,
     NeighbourMemory,
@@ -97,6 +98,15 @@ class MemoryStore(JobQueue, LLMCache):
     @abc.abstractmethod
     def keys_generation(self) -> int:
         """Changes whenever a key is added or removed (forget, merge): rebuild the index when it does."""
+    def key_changes(self, since: int | None) -> KeyChanges:
+        """The keys added after generation `since`, or every live key (`rebuild`) when keys were removed or
+        moved since then (or `since` is None), with the generation they bring a reader to.
+
+        This default always answers with a rebuild, which is correct for any backend; one that can list
+        keys by the generation that added them (SQLite, schema v4) answers additions incrementally. The
+        generation is read first, so a key added meanwhile is listed again at the next call, never missed."""
+        gen = self.keys_generation()
+        return KeyChanges(gen, True, self.list_keys())
 
     # ---- facts and preferences ----
     @abc.abstractmethod

@@ -36,6 +36,15 @@ class BiometricKey:
 
 
 @dataclass(frozen=True)
+class KeyChanges:
+    """What changed in the biometric keys since a generation (`MemoryStore.key_changes`), read in one snapshot."""
+
+    generation: int  # keys_generation of that snapshot: pass it as `since` next time
+    rebuild: bool  # keys were removed or moved (forget, merge) after `since`: `keys` holds every live key
+    keys: list[BiometricKey]  # rebuild: all live keys; else the keys added after `since`
+
+
+@dataclass(frozen=True)
 class MemoryItem:
     """A fact or a preference. Current when `invalid_at is None`; history otherwise."""
 

@@ -1,6 +1,6 @@
 """The memory store's schema on PostgreSQL: tables, the schema version, and forward migrations.
 
-The same tables and columns as SQLite's (egomem/memory/sqlite/schema.py at its version 3), typed
+The same tables and columns as SQLite's (egomem/memory/sqlite/schema.py at its version 3; v2 adds its v4), typed
 for PostgreSQL: epoch seconds and scores DOUBLE PRECISION (PostgreSQL's REAL is 4 bytes), BYTEA
 vectors, an identity op_id. The op log is append-only by a trigger (PL/pgSQL) that refuses UPDATE
 and DELETE, except that forget, holding `forget_guard` inside its transaction, may delete a
@@ -196,6 +196,13 @@ ALTER TABLE op_log ALTER COLUMN reason SET STORAGE EXTERNAL;
 ALTER TABLE op_log ALTER COLUMN detail SET STORAGE EXTERNAL;
 """
 
+# v2: incremental key sync, as SQLite's v4 (egomem/memory/sqlite/schema.py says how readers use it).
+_V2 = """
+ALTER TABLE biometric_keys ADD COLUMN added_generation BIGINT NOT NULL DEFAULT 0;
+CREATE INDEX biometric_keys_added ON biometric_keys(added_generation);
+INSERT INTO meta (name, value) SELECT 'keys_removed_generation', value FROM meta WHERE name = 'keys_generation';
+"""
+
 # version -> the script taking the database from version-1 to version.
-MIGRATIONS: dict[int, str] = {1: _V1}
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2}
 SCHEMA_VERSION = max(MIGRATIONS)

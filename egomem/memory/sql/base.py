@@ -107,8 +107,15 @@ class SQLBase:
     def _touch(self, c: Conn, user_id: str) -> None:
         c.execute("UPDATE users SET version = version + 1, updated_at = ? WHERE user_id = ?", (self._clock(), user_id))
 
-    def _bump_keys_generation(self, c: Conn) -> None:
+    def _bump_keys_generation(self, c: Conn, removal: bool = False) -> int:
+        """Next keys generation (inside the caller's write transaction); `removal`: keys were deleted or
+        moved to another user, so readers must rebuild rather than add (SQLite schema v4, PostgreSQL v2).
+        Returns it."""
         c.execute("UPDATE meta SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT) WHERE name = 'keys_generation'")
+        gen = int(c.execute("SELECT value FROM meta WHERE name = 'keys_generation'").fetchone()[0])
+        if removal:
+            c.execute("UPDATE meta SET value = ? WHERE name = 'keys_removed_generation'", (str(gen),))
+        return gen
 
     # ------------------------------------------------------------------ operation log
 

@@ -91,7 +91,7 @@ class Forget:
                     c.execute("DELETE FROM forget_guard")
                     delete("users", "user_id = ?", (n,))
             redacted = self._redacted(c, pat, names) if pat is not None else {}
-            self._bump_keys_generation(c)
+            self._bump_keys_generation(c, removal=True)
             self._log(c, "forget", prov, None, None, "",  # the log keeps only that a forget happened
                       detail={"forget_id": forget_id, "deleted": deleted, "redacted": redacted,
                               "names": len(names), "chunks": chunks})

@@ -12,7 +12,7 @@ from egomem.memory import checks
 from egomem.memory.errors import StoreError
 from egomem.memory.sql.base import USER_COLS, Conn, marks, where_equal
 from egomem.memory.store import MANUAL
-from egomem.memory.types import UNKNOWN_USER, BiometricKey, Modality, Provenance, User
+from egomem.memory.types import UNKNOWN_USER, BiometricKey, KeyChanges, Modality, Provenance, User
 
 
 class People:
@@ -90,7 +90,7 @@ class People:
         c.execute("UPDATE users SET merged_into = ? WHERE merged_into = ?", (keep_id, drop_id))
         self._touch(c, keep_id)
         self._touch(c, drop_id)
-        self._bump_keys_generation(c)
+        self._bump_keys_generation(c, removal=True)  # the dropped user's keys now answer as keep_id
         self._log(c, "merge_users", prov, keep_id, f"users:{drop_id}", reason, related_user_id=drop_id)
 
     def _name_history(self, c: Conn, ids: Sequence[str]) -> list[str]:
@@ -118,10 +118,10 @@ class People:
     def _insert_key(self, c: Conn, key_id: str, user_id: str, modality: str, model_id: str,
                     vector: np.ndarray, prov: Provenance) -> None:
         blob = checks.key_vector(modality, vector).tobytes()
-        c.execute("INSERT INTO biometric_keys (key_id, user_id, modality, model_id, dim, vector, session_id, created_at) "
-                  "VALUES (?,?,?,?,?,?,?,?)",
-                  (key_id, user_id, modality, model_id, len(blob) // 4, blob, prov.session_id, self._clock()))
-        self._bump_keys_generation(c)
+        gen = self._bump_keys_generation(c)
+        c.execute("INSERT INTO biometric_keys (key_id, user_id, modality, model_id, dim, vector, session_id, created_at, "
+                  "added_generation) VALUES (?,?,?,?,?,?,?,?,?)",
+                  (key_id, user_id, modality, model_id, len(blob) // 4, blob, prov.session_id, self._clock(), gen))
         self._log(c, "add_key", prov, user_id, f"biometric_keys:{key_id}", detail={"modality": modality,
                                                                                     "model_id": model_id})
 
@@ -145,3 +145,17 @@ class People:
 
     def keys_generation(self) -> int:
         return int(self._conn().execute("SELECT value FROM meta WHERE name = 'keys_generation'").fetchone()[0])
+
+    def key_changes(self, since: int | None) -> KeyChanges:
+        with self._read() as c:  # generation, removal mark and keys from one snapshot
+            meta = dict(c.execute("SELECT name, value FROM meta WHERE name IN "
+                                  "('keys_generation', 'keys_removed_generation')").fetchall())
+            gen, removed = int(meta["keys_generation"]), int(meta["keys_removed_generation"])
+            rebuild = since is None or removed > since or since > gen  # since > gen: another database
+            q = ("SELECT k.key_id, k.user_id, k.modality, k.model_id, k.vector, k.session_id, k.created_at "
+                 "FROM biometric_keys k JOIN users u ON u.user_id = k.user_id WHERE u.merged_into IS NULL")
+            rows = c.execute(q + " ORDER BY k.created_at, k.key_id" if rebuild else
+                             q + " AND k.added_generation > ? ORDER BY k.added_generation", () if rebuild else (since,))
+            keys = [BiometricKey(r[0], r[1], r[2], r[3], np.frombuffer(r[4], dtype="<f4").copy(), r[5], r[6])
+                    for r in rows]
+        return KeyChanges(gen, rebuild, keys)

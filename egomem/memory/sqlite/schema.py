@@ -176,6 +176,16 @@ _V3 = """
 ALTER TABLE jobs ADD COLUMN redactions INTEGER NOT NULL DEFAULT 0;
 """
 
+# v4: incremental key sync (egomem/identity/store_backed.py). Each key records the keys_generation
+# its insert produced; keys_removed_generation is the generation of the last removal or move of keys
+# (forget, merge). A reader at generation g adds the keys with added_generation > g, and rebuilds
+# when keys_removed_generation > g. Keys from before v4 read as generation 0 (a fresh reader rebuilds).
+_V4 = """
+ALTER TABLE biometric_keys ADD COLUMN added_generation INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX biometric_keys_added ON biometric_keys(added_generation);
+INSERT INTO meta (name, value) SELECT 'keys_removed_generation', value FROM meta WHERE name = 'keys_generation';
+"""
+
 # version -> statements taking the database from version-1 to version.
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3}
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4}
 SCHEMA_VERSION = max(MIGRATIONS)
