@@ -26,7 +26,7 @@ from egomem.serving.client import AsyncTritonClient
 from egomem.stack import tokens_path
 
 from .auth import TokenTable, auth_middleware
-from .changes import ChangeApplier
+from .changes import CHANGES, ChangeApplier
 from .cohort import encode_cohort, step_cohort
 from .gateway import ModelGateway, new_sequence_ids
 from .grid import GridClock
@@ -57,7 +57,7 @@ async def services_ctx(app: web.Application) -> AsyncIterator[None]:
                       functools.partial(step_cohort, gateway=gateway), oc.overlap_ticks)
     services = Services(cfg, triton, store, metrics, perception, gateway, clock)
     app[SERVICES] = services
-    changes = ChangeApplier(services, asyncio.get_running_loop()).start()  # what other processes change
+    changes = app[CHANGES] = ChangeApplier(services, asyncio.get_running_loop()).start()  # others' changes
     if not await asyncio.to_thread(changes.feed.ready.wait, CHANGE_FEED_READY_S):
         log.warning("orchestrator: the store's change feed is not listening yet; changes made elsewhere "
                     "reach this process's streams once it is (check memory.dsn and the server)")

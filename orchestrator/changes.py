@@ -15,14 +15,18 @@ The time from the writer's commit to applied here is `egomem_change_propagation_
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
+
+from aiohttp import web
 
 from egomem.memory.changes import Change, ChangeFeed
 
 from .services import Services
 
 log = logging.getLogger(__name__)
+RECENT_LATENCIES = 10_000  # propagation latencies kept for benches and debugging (the metric has buckets only)
 
 
 class ChangeApplier:
@@ -32,6 +36,7 @@ class ChangeApplier:
         self.s, self.loop = services, loop
         self.feed: ChangeFeed | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.latencies: collections.deque[tuple[Change, float]] = collections.deque(maxlen=RECENT_LATENCIES)
 
     def start(self) -> ChangeApplier:
         self.feed = self.s.store.change_feed(self._on_change, self.s.cfg.memory.change_poll_s)
@@ -85,4 +90,9 @@ class ChangeApplier:
                     stream.refresh_profile()
         s.metrics.inc("egomem_changes_applied_total")
         if change.ts:
-            s.metrics.observe("egomem_change_propagation_seconds", max(time.time() - change.ts, 0.0))
+            dt = max(time.time() - change.ts, 0.0)
+            s.metrics.observe("egomem_change_propagation_seconds", dt)
+            self.latencies.append((change, dt))
+
+
+CHANGES = web.AppKey("changes", ChangeApplier)

@@ -66,6 +66,15 @@ def test_the_change_feed_reports_what_another_store_commits(backend):
         assert max_.user_id not in json.dumps([c.payload() for c in seen.changes if c.kind == "forget"])
         if backend.name == "postgres":
             assert forget.origin == writer.origin and forget.origin != reader.origin
+        # the newest op-log row is the one forget deletes (SQLite then reuses its id for the forget's row)
+        eve = writer.create_user("Eve")
+        writer.rename_user(eve.user_id, "Eve Lin")
+        seen.wait(lambda c: c.kind == "profile" and eve.user_id in c.user_ids)
+        n = len(seen.changes)
+        writer.forget_user(eve.user_id)
+        seen.wait(lambda c: c.kind in ("forget", "resync") and seen.changes.index(c) >= n)
+        writer.add_fact(ann.user_id, "after the forget")  # and the feed goes on after it
+        seen.wait(lambda c: c.kind == "profile" and ann.user_id in c.user_ids and seen.changes.index(c) > n)
     finally:
         feed.close()
         writer.close()
@@ -99,30 +108,6 @@ def test_a_rolled_back_write_announces_nothing(backend):
         reader.close()
 
 
-class FakeStream:
-    """An open chat as the REST routes and the change applier see it (services.OpenStream), with no
-    Triton behind it: records what it was asked to do."""
-
-    def __init__(self, user_id: str | None):
-        from orchestrator.recording import Recorder
-
-        self.user_id = user_id
-        self.ticks, self.opened_at = 0, time.time()
-        self.recorder = Recorder("fake", record_audio=False)
-        self.calls: list[tuple[str, str | None, float]] = []
-
-    def stop(self) -> None:
-        pass
-
-    def forget_user(self, user_id: str) -> None:
-        if self.user_id == user_id:
-            self.user_id = None
-        self.calls.append(("forget_user", user_id, time.monotonic()))
-
-    def refresh_profile(self) -> None:
-        self.calls.append(("refresh_profile", self.user_id, time.monotonic()))
-
-
 def _worker(dsn: str, run_dir: Path, name: str) -> subprocess.Popen:
     """A durability worker process (bench/durability_pg.py --role worker) on the store at `dsn`."""
     cmd = ["nice", "-n", "19", sys.executable, str(REPO / "bench" / "durability_pg.py"), "--role", "worker",
@@ -141,7 +126,14 @@ def test_two_orchestrators_and_two_workers_on_one_postgres(tmp_path, pg_server):
     from egomem.memory import open_store
     from tests.conftest import test_config
     from tests.memory_helpers import StoreBackend
-    from tests.orchestrator_harness import ADMIN_TOKEN, OrchestratorThread, orchestrator_config, run, wait_until
+    from tests.orchestrator_harness import (
+        ADMIN_TOKEN,
+        FakeStream,
+        OrchestratorThread,
+        orchestrator_config,
+        run,
+        wait_until,
+    )
 
     db = StoreBackend("postgres", tmp_path, pg_server, prefix=f"mp{os.getpid()}")
     try:

@@ -37,6 +37,7 @@ RECONNECT_MAX_S = 30.0  # the LISTEN connection retries with doubling waits up t
 # except those that leave every copy as it was (a new user is in no stream yet)
 _OP_KINDS: dict[str, ChangeKind] = {"forget": "forget", "merge_users": "merge"}
 _OPS_NO_CHANGE = frozenset({"create_user"})
+_KEY_OPS = frozenset({"add_key", "merge_users", "forget"})  # the ops that bump store.keys_generation()
 
 
 @dataclass(frozen=True)
@@ -98,31 +99,38 @@ class ChangeFeed(abc.ABC):
 
 
 class OpLogChangeFeed(ChangeFeed):
-    """The SQLite fallback: polls `store.op_log(after_op_id=...)` every `poll_s` seconds."""
+    """The SQLite fallback: polls `store.op_log(after_op_id=...)` every `poll_s` seconds, from the row
+    that was newest when it started."""
 
     def __init__(self, store: Any, on_change: OnChange, poll_s: float):
         super().__init__(on_change, poll_s)
         self.store = store
 
-    def _last_op_id(self) -> int:
-        last = 0
-        while batch := self.store.op_log(after_op_id=last, limit=10_000):
-            last = batch[-1].op_id
-        return last
-
     def _loop(self) -> None:
-        last = self._last_op_id()
+        last, gen = self.store.last_op_id(), self.store.keys_generation()
         self.ready.set()
         while not self._stop.wait(self.poll_s):
             try:
+                new_gen = self.store.keys_generation()
                 rows = self.store.op_log(after_op_id=last, limit=10_000)
+                changes = changes_from_ops(rows)
+                if rows:
+                    last = rows[-1].op_id
+                if new_gen != gen and not any(r.op in _KEY_OPS for r in rows):
+                    # Keys changed with no row to say so: a forget whose op-log row took an id at or below
+                    # `last` (SQLite reuses the ids of the newest rows when forget deletes them). Follow the
+                    # log from where it ends now; report the forget (its row, when it is still the newest),
+                    # else a resync: reload everything.
+                    last = min(last, self.store.last_op_id())
+                    tail = self.store.op_log(after_op_id=last - 1, limit=1) if last else []
+                    hidden = tail[0] if tail and tail[0].op_id == last and tail[0].op == "forget" else None
+                    changes.append(Change("forget", (), hidden.ts) if hidden else Change("resync", (), time.time()))
+                gen = new_gen
             except Exception as e:  # noqa: BLE001 - a busy or restarting database: next round
                 log.warning("change feed: reading the op log failed (%s); retrying", e)
                 continue
-            for change in changes_from_ops(rows):
+            for change in changes:
                 self._deliver(change)
-            if rows:
-                last = rows[-1].op_id
 
 
 def changes_from_ops(rows: Sequence[Any]) -> list[Change]:

@@ -162,6 +162,13 @@ class MemoryStore(JobQueue, LLMCache):
     @abc.abstractmethod
     def op_log(self, user_id: str | None = None, after_op_id: int = 0, limit: int = 1000) -> list[OpLogEntry]: ...
 
+    def last_op_id(self) -> int:
+        """The newest op-log row's id (0 when empty): where a follower of the log starts."""
+        last = 0
+        while batch := self.op_log(after_op_id=last, limit=10_000):
+            last = batch[-1].op_id
+        return last
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -119,6 +119,9 @@ class SQLBase:
 
     # ------------------------------------------------------------------ operation log
 
+    def last_op_id(self) -> int:
+        return int(self._conn().execute("SELECT COALESCE(MAX(op_id), 0) FROM op_log").fetchone()[0])
+
     def op_log(self, user_id: str | None = None, after_op_id: int = 0, limit: int = 1000) -> list[OpLogEntry]:
         q = ("SELECT op_id, ts, op, actor, user_id, related_user_id, target, session_id, llm_model, prompt_hash, "
              "reason, detail FROM op_log WHERE op_id > ?")
