@@ -299,11 +299,13 @@ def conduct(a: argparse.Namespace) -> dict[str, Any]:
         roles = sorted({c.role for c in children})
         while len(kills) < a.kills:
             time.sleep(rng.uniform(a.min_gap_s, a.max_gap_s))
-            role = roles[len(kills) % len(roles)]  # each role in turn, a random one of it, at a random moment
-            ready = [c for c in children if c.role == role and c.proc.poll() is None
-                     and time.monotonic() - c.started >= a.min_age_s
-                     and (c.role != "orchestrator" or c.acked_since_start > 0)
+            # each role in turn (a random process of it, at a random moment), else any: a role still
+            # restarting (an orchestrator's imports take a minute on a busy 2-core box) does not stall the run
+            ready = [c for c in children if c.proc.poll() is None and time.monotonic() - c.started >= a.min_age_s
+                     and (c.role != "orchestrator" or c.acked_since_start > 0)  # serving: writes under way
                      and (c.role == "orchestrator" or (run_dir / f"{c.name}.ready").exists())]
+            role = roles[len(kills) % len(roles)]
+            ready = [c for c in ready if c.role == role] or ready
             if not ready:
                 continue
             victim = rng.choice(ready)
