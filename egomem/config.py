@@ -168,6 +168,9 @@ class MemoryConfig:
     job_max_attempts: int = 5
     job_retry_base_s: float = 30.0  # retry delay doubles per attempt (LLM outages last minutes)
     worker_poll_s: float = 1.0
+    # Change feed (egomem/memory/changes.py): PostgreSQL LISTEN wakes at once and checks for shutdown this
+    # often; SQLite polls the op log this often (so a forget reaches another process's streams within it)
+    change_poll_s: float = 0.5
     profile_max_chars: int = 2000  # rendered profile; the dialog side cuts it to the 512-step Level-1 MemChunk
     forget_face_distance: float = 0.30  # forget drops a waiting chunk's face poll this near the person's key, if nearest
     forget_voice_distance: float = 0.35  # likewise voices (raw cosine); looser than identify: forget errs on forgetting

@@ -26,6 +26,7 @@ from egomem.serving.client import AsyncTritonClient
 from egomem.stack import tokens_path
 
 from .auth import TokenTable, auth_middleware
+from .changes import CHANGES, ChangeApplier
 from .cohort import encode_cohort, step_cohort
 from .gateway import ModelGateway, new_sequence_ids
 from .grid import GridClock
@@ -38,7 +39,8 @@ from .services import CONFIG, METRICS, SERVICES, Services
 from .ws import chat
 
 log = logging.getLogger(__name__)
-STREAMS_CLOSE_S = 5.0  # at shutdown, open chats get this long to flush their memory and end their sequences
+STREAMS_CLOSE_S = 5.0
+CHANGE_FEED_READY_S = 10.0  # at start, how long to wait for the change feed to listen before serving anyway  # at shutdown, open chats get this long to flush their memory and end their sequences
 
 
 async def services_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -55,11 +57,16 @@ async def services_ctx(app: web.Application) -> AsyncIterator[None]:
                       functools.partial(step_cohort, gateway=gateway), oc.overlap_ticks)
     services = Services(cfg, triton, store, metrics, perception, gateway, clock)
     app[SERVICES] = services
+    changes = app[CHANGES] = ChangeApplier(services, asyncio.get_running_loop()).start()  # others' changes
+    if not await asyncio.to_thread(changes.feed.ready.wait, CHANGE_FEED_READY_S):
+        log.warning("orchestrator: the store's change feed is not listening yet; changes made elsewhere "
+                    "reach this process's streams once it is (check memory.dsn and the server)")
     where = cfg.memory.database if cfg.memory.backend == "sqlite" else f"postgres {_dsn_without_password(cfg.memory.dsn)}"
     log.info("orchestrator: Triton at %s, store %s, %d stream slots", triton.url, where, oc.max_streams)
     yield
     services.stop_streams()  # streams end their Triton sequences and flush memory
     await services.closed_streams(STREAMS_CLOSE_S)
+    await changes.close()
     if perception is not None:
         perception.close()
     await triton.close()

@@ -48,6 +48,8 @@ DEFINITIONS = {
     "egomem_memory_jobs_total": ("counter", "Memory jobs enqueued."),
     "egomem_memory_queue_depth": ("gauge", "Memory jobs queued or running (read from the store)."),
     "egomem_memory_dead_letters": ("gauge", "Unresolved dead letters (failed LLM calls and jobs)."),
+    "egomem_changes_applied_total": ("counter", "Store changes (forget, merge, profile) applied from the change feed."),
+    "egomem_change_propagation_seconds": ("histogram", "From a store change's commit (any process) to applied here."),
     "egomem_triton_errors_total": ("counter", "Failed Triton calls."),
     "egomem_http_requests_total": ("counter", "REST requests handled."),
 }

@@ -38,6 +38,8 @@ class OpenStream(Protocol):
 
     def forget_user(self, user_id: str) -> None: ...
 
+    def refresh_profile(self) -> None: ...
+
 
 @dataclass
 class Services:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import numpy as np
 import sphn
 
+from egomem.memory.errors import StoreError
 from egomem.protocol import AUDIO, CLOSE_INTERNAL, HANDSHAKE, SAMPLE_RATE, TEXT, TICK_S, pack, pack_event
 
 from .cohort import DialogOut, end_cohort, tick_cohort
@@ -123,12 +124,21 @@ class Stream:
         if self.user_id == user_id:
             self.user_id = None
             self.request_refresh(1, "", None)
-        elif self.user_id is not None and self.s.perception is not None:
+        else:
+            self.refresh_profile()
+
+    def refresh_profile(self) -> None:
+        """Reload the current user's profile into the Level-1 MemChunk (it changed in the store)."""
+        if self.user_id is not None:
+            self._reloads = [t for t in self._reloads if not t.done()]
             self._reloads.append(asyncio.create_task(self._reload_profile(self.user_id)))
 
     async def _reload_profile(self, user_id: str) -> None:
-        text = await asyncio.to_thread(self.s.perception.profile_text, user_id,
-                                       self.cfg.memory.profile_max_chars)
+        try:
+            text = await asyncio.to_thread(self.s.store.render_profile, user_id,
+                                           max_chars=self.cfg.memory.profile_max_chars)
+        except StoreError:  # forgotten or merged away meanwhile: the change feed's next change says which
+            return
         if self.user_id == user_id:  # still the same person in front of the camera
             self.memchunk.profile(text, user_id)
 

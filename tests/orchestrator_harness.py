@@ -126,3 +126,27 @@ def wait_until(pred, timeout: float) -> None:
 def tone(seconds: float, freq: float = 220.0, sr: int = 24000) -> np.ndarray:
     t = np.arange(int(seconds * sr)) / sr
     return (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+class FakeStream:
+    """An open chat as the REST routes and the change applier see it (services.OpenStream), with no
+    Triton behind it: records what it was asked to do."""
+
+    def __init__(self, user_id: str | None):
+        from orchestrator.recording import Recorder
+
+        self.user_id = user_id
+        self.ticks, self.opened_at = 0, time.time()
+        self.recorder = Recorder("fake", record_audio=False)
+        self.calls: list[tuple[str, str | None, float]] = []  # (what, user id, time.time())
+
+    def stop(self) -> None:
+        pass
+
+    def forget_user(self, user_id: str) -> None:
+        if self.user_id == user_id:
+            self.user_id = None
+        self.calls.append(("forget_user", user_id, time.time()))
+
+    def refresh_profile(self) -> None:
+        self.calls.append(("refresh_profile", self.user_id, time.time()))

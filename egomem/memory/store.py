@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from egomem.memory import persona as persona_dims
+from egomem.memory.changes import ChangeFeed, OnChange, OpLogChangeFeed
 from egomem.memory.jobqueue import JobQueue
 from egomem.memory.llmcache import LLMCache
 from egomem.memory.types import (
@@ -171,8 +172,24 @@ class MemoryStore(JobQueue, LLMCache):
     @abc.abstractmethod
     def op_log(self, user_id: str | None = None, after_op_id: int = 0, limit: int = 1000) -> list[OpLogEntry]: ...
 
+    def last_op_id(self) -> int:
+        """The newest op-log row's id (0 when empty): where a follower of the log starts."""
+        last = 0
+        while batch := self.op_log(after_op_id=last, limit=10_000):
+            last = batch[-1].op_id
+        return last
+
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    # ---- the change feed (changes.py): what other processes changed ----
+    origin: str = ""  # this store object's id on the feed (SQLBase sets one)
+
+    def change_feed(self, on_change: OnChange, poll_s: float = 0.5) -> ChangeFeed:
+        """Start following committed forgets, merges and profile changes, whichever process made them:
+        `on_change(Change)` is called from the feed's thread. Default: the op log polled every `poll_s`
+        (PostgreSQL overrides it with LISTEN/NOTIFY). `close()` the feed before the store."""
+        return OpLogChangeFeed(self, on_change, poll_s).start()
 
     # ---- written once on top of the primitives ----
 

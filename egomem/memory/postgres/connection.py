@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from egomem.memory.changes import CHANGE_CHANNEL, Change, ChangeFeed, ChangeKind, OnChange, PostgresChangeFeed
 from egomem.memory.errors import StoreError
 from egomem.memory.postgres.schema import MIGRATIONS, SCHEMA_VERSION
 from egomem.memory.sql.base import SQLBase
@@ -127,6 +128,15 @@ class Connections(SQLBase):
 
     def _lock_directory(self, c: PgConn) -> None:
         c.execute("SELECT pg_advisory_xact_lock(?)", (DIRECTORY_LOCK,))
+
+    def _changed(self, c: PgConn, kind: ChangeKind, user_ids: Sequence[str] = ()) -> None:
+        # NOTIFY is transactional: delivered when this transaction commits, dropped when it rolls back
+        c.execute("SELECT pg_notify(?, ?)", (CHANGE_CHANNEL, Change(kind, tuple(user_ids), time.time(),
+                                                                      self.origin).payload()))
+
+    def change_feed(self, on_change: OnChange, poll_s: float = 0.5) -> ChangeFeed:
+        """LISTEN on the change channel from a thread of its own (changes.py `PostgresChangeFeed`)."""
+        return PostgresChangeFeed(self.dsn, on_change, poll_s).start()
 
     def _lock_everything(self, c: PgConn) -> None:
         # the directory lock first (the order commits and merges take it in: no deadlock), so a session

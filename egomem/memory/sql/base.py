@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from egomem.memory.changes import ChangeKind, new_origin
 from egomem.memory.errors import StoreError
 from egomem.memory.types import OpLogEntry, Provenance, User
 
@@ -61,6 +62,7 @@ class SQLBase:
         # a queued chunk's face / voice poll within this cosine distance of a forgotten person's key
         # (and nearer to it than to anyone else's) is theirs and removed (memory/chunk.py redact_chunk)
         self._forget_distance = {"face": forget_face_distance, "voice": forget_voice_distance}
+        self.origin = new_origin()  # names this store object's changes on the change feed (changes.py)
 
     def _conn(self) -> Conn:
         raise NotImplementedError
@@ -82,6 +84,10 @@ class SQLBase:
 
     def _lock_everything(self, c: Conn) -> None:
         """Keep every other writer out until the transaction ends (forget redacts any user's rows)."""
+
+    def _changed(self, c: Conn, kind: ChangeKind, user_ids: Sequence[str] = ()) -> None:
+        """Announce a change on the change feed when this transaction commits (PostgreSQL: NOTIFY).
+        SQLite does nothing here: its feed reads the op log (egomem/memory/changes.py)."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -106,6 +112,7 @@ class SQLBase:
 
     def _touch(self, c: Conn, user_id: str) -> None:
         c.execute("UPDATE users SET version = version + 1, updated_at = ? WHERE user_id = ?", (self._clock(), user_id))
+        self._changed(c, "profile", (user_id,))
 
     def _bump_keys_generation(self, c: Conn, removal: bool = False) -> int:
         """Next keys generation (inside the caller's write transaction); `removal`: keys were deleted or
@@ -118,6 +125,9 @@ class SQLBase:
         return gen
 
     # ------------------------------------------------------------------ operation log
+
+    def last_op_id(self) -> int:
+        return int(self._conn().execute("SELECT COALESCE(MAX(op_id), 0) FROM op_log").fetchone()[0])
 
     def op_log(self, user_id: str | None = None, after_op_id: int = 0, limit: int = 1000) -> list[OpLogEntry]:
         q = ("SELECT op_id, ts, op, actor, user_id, related_user_id, target, session_id, llm_model, prompt_hash, "

@@ -92,6 +92,7 @@ class Forget:
                     delete("users", "user_id = ?", (n,))
             redacted = self._redacted(c, pat, names) if pat is not None else {}
             self._bump_keys_generation(c, removal=True)
+            self._changed(c, "forget")  # names no one, like the op-log row: receivers ask who is gone
             self._log(c, "forget", prov, None, None, "",  # the log keeps only that a forget happened
                       detail={"forget_id": forget_id, "deleted": deleted, "redacted": redacted,
                               "names": len(names), "chunks": chunks})

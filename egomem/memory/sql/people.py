@@ -91,6 +91,7 @@ class People:
         self._touch(c, keep_id)
         self._touch(c, drop_id)
         self._bump_keys_generation(c, removal=True)  # the dropped user's keys now answer as keep_id
+        self._changed(c, "merge", (keep_id, drop_id))
         self._log(c, "merge_users", prov, keep_id, f"users:{drop_id}", reason, related_user_id=drop_id)
 
     def _name_history(self, c: Conn, ids: Sequence[str]) -> list[str]:
