@@ -1,0 +1,254 @@
+"""Diagnostic for issue #13: does the tiny model learn to *copy* from its Level-1 MemChunk?
+
+The Fact Score stays 0 because the tiny preset, trained from scratch on CPU, never copies a held-out
+name out of L1 (docs/training.md#what-the-tiny-model-reached). This script trains the tiny preset on
+the Level-1 samples of a dataset that `bench/bench_finetune.py` built, with two data changes meant to
+make reading the chunk the only way to lower the loss, and measures copying on held-out people:
+
+- `--fresh-names p`: with probability p a row's people (the `name:` and `people:` lines of its L1)
+  are renamed with fresh random pseudo-names of the same byte length, in L1 and on the text channel,
+  so no name can be memorised (the speak channel keeps the old name's audio);
+- `--recite p`: with probability p a row becomes a reading drill: its text channel writes a span of
+  its own L1 text from a random tick (text loss only); `--random-l1 q` gives a drill, with
+  probability q, an L1 of random pseudo-words instead of the profile (nothing to predict but the copy).
+
+Every `--eval-every` steps, teacher-forced on held-out samples: `held_exact` (greeted names whose
+bytes after the first are all predicted), `held_byte` (those bytes' accuracy) and `held_recite`
+(byte accuracy of reading drills over held-out L1 texts, from the span's fourth byte). Record 0 holds
+the n-gram baselines: what a byte n-gram model of the training L1 texts predicts of the held-out ones
+(reading without copying). One JSON record per step goes to --out; evaluation records are also printed.
+
+    python bench/bench_finetune.py --train-levels 1,2 --work runs/bench_finetune_l12_tc   # the dataset
+    python bench/diag_memchunk_copy.py --steps 800 --recite 0.6 --lr 1.5e-3 --span 24 120 \
+        --out bench/results/diag_memchunk_copy_recite.jsonl
+    python bench/diag_memchunk_copy.py --steps 800 --recite 0.6 --random-l1 0.7 --lr 2e-3 --span 60 160 \
+        --out bench/results/diag_memchunk_copy_random.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from moshi.utils.compile import no_compile
+
+from egomem.dialog.checkpoint import build_lm
+from egomem.dialog.tokenizer import ByteTokenizer
+from egomem.training.batch import make_batch
+from egomem.training.dataset import Dataset
+from egomem.training.forward import forward, masked_loss
+from egomem.training.types import Sample, Span
+
+N1, N2 = 512, 256  # the paper's MemChunk layout (docs/kv-cache.md)
+VOWELS, CONSONANTS = "aeiou", "bcdfghjklmnprstvwz"
+WARMUP = 30
+TOK = ByteTokenizer()
+
+
+def pseudo(n: int, r: random.Random) -> str:
+    """A capitalised pronounceable pseudo-word of n letters (consonant/vowel alternating)."""
+    s = "".join((CONSONANTS if i % 2 == 0 else VOWELS)[r.randrange(len(CONSONANTS if i % 2 == 0 else VOWELS))]
+                for i in range(n))
+    if r.random() < 0.5:
+        s = "".join((VOWELS if i % 2 == 0 else CONSONANTS)[r.randrange(len(VOWELS if i % 2 == 0 else CONSONANTS))]
+                    for i in range(n))
+    return s[0].upper() + s[1:]
+
+
+def name_words(l1: str) -> list[str]:
+    """The words of people's names in an L1 text (its `name:` and `people:` lines)."""
+    words: list[str] = []
+    for line in l1.splitlines():
+        if line.startswith("name: "):
+            words += line[6:].split()
+        elif line.startswith("people: "):
+            for part in line[8:].split(";"):
+                words += re.sub(r"\(.*?\)", "", part).split()
+    return [w for w in words if w[:1].isupper() and w.isalpha()]
+
+
+def fresh_names(s: Sample, tokens: np.ndarray, r: random.Random) -> tuple[Sample, np.ndarray]:
+    """Rename the row's people with same-length pseudo-names in L1 and on the text channel."""
+    ws = sorted(set(name_words(s.l1_text)), key=len, reverse=True)
+    if not ws:
+        return s, tokens
+    m = {w: pseudo(len(w), r) for w in ws}
+    l1 = re.compile(r"\b(" + "|".join(map(re.escape, ws)) + r")\b").sub(lambda x: m[x.group(0)], s.l1_text)
+    tokens = tokens.copy()
+    row = tokens[0].astype(np.int64)
+    raw = bytes(int(x - TOK.OFFSET) if x >= TOK.OFFSET else 0 for x in row)
+    pat = re.compile(rb"\b(" + b"|".join(re.escape(w.encode()) for w in ws) + rb")\b")
+    new = pat.sub(lambda x: m[x.group(0).decode()].encode(), raw)  # same length: positions unchanged
+    arr = np.frombuffer(new, dtype=np.uint8).astype(np.int64)
+    tokens[0] = np.where(row >= TOK.OFFSET, arr + TOK.OFFSET, row)
+    return dataclasses.replace(s, l1_text=l1), tokens
+
+
+def random_l1(r: random.Random) -> str:
+    """An L1 text of random pseudo-words in short lines (~330-380 bytes, like a profile)."""
+    lines: list[str] = []
+    while sum(len(x) + 1 for x in lines) < 330:
+        lines.append(" ".join(pseudo(r.randint(3, 9), r) if r.random() < 0.3 else pseudo(r.randint(2, 8), r).lower()
+                              for _ in range(r.randint(2, 6))))
+    return "\n".join(lines)[:380]
+
+
+def recite(s: Sample, t: np.ndarray, r: random.Random, span: tuple[int, int], window: int) -> tuple[Sample, np.ndarray]:
+    """A reading drill: the text channel writes a random span of the row's L1 text from a random tick
+    inside the trained window (8 pad steps before it supervised too); no speak loss."""
+    ids = TOK.encode(s.l1_text)
+    n = r.randint(span[0], min(span[1], len(ids)))
+    a0 = r.randrange(0, len(ids) - n + 1)
+    text = ids[a0:a0 + n]
+    end = max(x.end for x in s.text)
+    lo = max(0, end - window + 2)
+    T = t.shape[1]
+    n = min(n, T - 10)
+    text = text[:n]
+    hi = T - n - 1
+    start = r.randint(min(lo, hi), hi)
+    t = t.copy()
+    t[0, max(0, start - 40):start + n + 8] = TOK.pad_id
+    t[0, start:start + n] = text
+    return dataclasses.replace(s, text=(Span(max(0, start - 8), start + n),), speak=()), t
+
+
+def ngram_baseline(train: list[Sample], held: list[Sample], n: int) -> float:
+    """Next-byte accuracy on held-out L1 texts of the most frequent continuation of the previous n-1
+    bytes in the training L1 texts: what reading without copying can reach (a model above it copies)."""
+    counts: dict[bytes, dict[int, int]] = {}
+    for text in dict.fromkeys(s.l1_text for s in train):
+        b = text.encode()
+        for i in range(n - 1, len(b)):
+            c = counts.setdefault(b[i - n + 1:i], {})
+            c[b[i]] = c.get(b[i], 0) + 1
+    ok = total = 0
+    for text in dict.fromkeys(s.l1_text for s in held):
+        b = text.encode()
+        for i in range(n - 1, len(b)):
+            c = counts.get(b[i - n + 1:i])
+            total += 1
+            ok += int(c is not None and max(c, key=c.__getitem__) == b[i])
+    return ok / max(total, 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=Path("runs/bench_finetune_l12_tc/train"))
+    p.add_argument("--heldout", type=Path, default=Path("runs/bench_finetune_l12_tc/heldout"))
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--fresh-names", type=float, default=1.0)
+    p.add_argument("--recite", type=float, default=0.0)
+    p.add_argument("--random-l1", type=float, default=0.0)
+    p.add_argument("--span", type=int, nargs=2, default=(24, 120), help="reading-drill span length range (bytes)")
+    p.add_argument("--window", type=int, default=192, help="dialog steps per row (bench_finetune's)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("runs/diag_memchunk_copy.jsonl"))
+    a = p.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(a.threads)
+    tr, ho = Dataset(a.data), Dataset(a.heldout)
+    train = [s for s in tr.samples if s.kind == "l1_response"]
+    held = [s for s in ho.samples if s.kind == "l1_response"]
+    rng = random.Random(0)
+    span = (a.span[0], a.span[1])
+    lm = build_lm("tiny", seed=0)
+    lm.train()
+    opt = torch.optim.AdamW(lm.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / WARMUP) * (
+        0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(1, s / a.steps)))))
+
+    def logits(items: list[tuple[Sample, np.ndarray]]):
+        b = make_batch(lm, TOK, items, N1, N2, a.window)
+        with no_compile():
+            return b, forward(lm, b.chunks, b.stream)
+
+    @torch.no_grad()
+    def name_eval(samples: list[Sample], source: Dataset, rename: random.Random | None = None, n: int = 48):
+        lm.eval()
+        exact = total = byte_ok = byte_n = 0
+        for i in range(0, min(n, len(samples)), 4):
+            items = []
+            for s in samples[i:i + 4]:
+                t = source.tokens(s.stream)
+                items.append(fresh_names(s, t, rename) if rename is not None else (s, t))
+            b, out = logits(items)
+            pred = out.text_logits.argmax(-1)
+            for j, (s, _) in enumerate(items):
+                first = [x for x in s.l1_text.splitlines() if x.startswith("name: ")][0][6:].split()[0]
+                row = b.stream[j, 0].tolist()
+                k = bytes(x - TOK.OFFSET if x >= TOK.OFFSET else 0 for x in row).find(first.encode())
+                if k < 0 or not b.text_mask[j, k]:
+                    continue
+                ok = [pred[j, k + q].item() == row[k + q] for q in range(1, len(first.encode()))]
+                total += 1
+                exact += all(ok)
+                byte_ok += sum(ok)
+                byte_n += len(ok)
+        lm.train()
+        return exact / max(total, 1), byte_ok / max(byte_n, 1), total
+
+    @torch.no_grad()
+    def recite_eval(samples: list[Sample], source: Dataset, n: int = 32) -> float:
+        lm.eval()
+        ok = total = 0
+        r = random.Random(5)
+        for i in range(0, n, 4):
+            items = [recite(s, source.tokens(s.stream), r, span, a.window) for s in samples[i:i + 4]]
+            b, out = logits(items)
+            pred = out.text_logits.argmax(-1)
+            for j, (s, _) in enumerate(items):
+                st = s.text[0].start + 8 - b.crop_start[j]
+                for q in range(3, s.text[0].end - s.text[0].start - 8):
+                    total += 1
+                    ok += int(pred[j, st + q] == b.stream[j, 0, st + q])
+        lm.train()
+        return ok / max(total, 1)
+
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    log = a.out.open("w")
+    baseline = {"step": 0, **{f"held_{n}gram": round(ngram_baseline(train, held, n), 4) for n in (2, 3, 4)}}
+    print(json.dumps(baseline), flush=True)
+    log.write(json.dumps(baseline) + "\n")
+    order = np.random.default_rng(0).permutation(len(train)).tolist() * (1 + a.steps * a.batch_size // len(train))
+    t0 = time.time()
+    for step in range(1, a.steps + 1):
+        items = []
+        for idx in order[(step - 1) * a.batch_size: step * a.batch_size]:
+            s, t = train[idx], tr.tokens(train[idx].stream)
+            if rng.random() < a.fresh_names:
+                s, t = fresh_names(s, t, rng)
+            if rng.random() < a.recite:
+                if rng.random() < a.random_l1:
+                    s = dataclasses.replace(s, l1_text=random_l1(rng))
+                s, t = recite(s, t, rng, span, a.window)
+            items.append((s, t))
+        b, out = logits(items)
+        loss, parts = masked_loss(out, b.text_mask, b.speak_mask, lm.text_padding_token_id, 0.5, 100.0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        rec = {"step": step, "loss": loss.item(), **parts, "t": round(time.time() - t0, 1)}
+        if step % a.eval_every == 0:
+            rec["held_exact"], rec["held_byte"], rec["held_n"] = name_eval(held, ho)
+            rec["train_renamed_exact"], rec["train_renamed_byte"], _ = name_eval(train[:48], tr, random.Random(1))
+            rec["held_recite"] = recite_eval(held, ho)
+            print(json.dumps(rec), flush=True)
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+
+
+if __name__ == "__main__":
+    main()
