@@ -405,3 +405,17 @@ def test_open_store_picks_the_configured_backend(backend):
     with pytest.raises(StoreError, match="needs memory.dsn"):  # the factory's own check, past config validation
         PostgresMemoryStore("")
 
+
+
+def test_op_log_ids_are_never_reused_after_forget_deletes_the_newest_rows(backend) -> None:
+    """A reader following the log after the last id it saw (the SQLite change feed) must find every
+    later row: forget deletes the person's rows, and their ids must not come back (SQLite schema v5)."""
+    s = backend.open()
+    ann, eve = s.create_user("Ann"), s.create_user("Eve")
+    s.add_fact(eve.user_id, "likes chess")  # the newest rows are Eve's
+    seen = s.last_op_id()
+    s.forget_user(eve.user_id)
+    s.add_fact(ann.user_id, "likes tennis")
+    after = s.op_log(after_op_id=seen)
+    assert [r.op for r in after][:1] == ["forget"] and any(r.user_id == ann.user_id for r in after)
+    assert all(r.op_id > seen for r in after)

@@ -10,7 +10,8 @@ calls `SQLBase._changed`, and a process follows the feed with `store.change_feed
   (`PostgresChangeFeed`). Notifications sent while the listener was disconnected are lost, so after
   every reconnect it reports one `resync` change: drop every copy and reload.
 - SQLite (one machine): the op log polled every `poll_s` (`OpLogChangeFeed`); one writer at a
-  time commits, so op ids commit in order and reading "after the last id seen" misses nothing.
+  time commits, so op ids commit in order, and they are never reused (schema v5: not even those of
+  rows forget deletes), so reading "after the last id seen" misses nothing.
 
 A forget's change names no one (like its op-log row): receivers ask the store which of their users
 are gone. A merge names (kept, dropped); a profile change the users whose profile changed.
@@ -37,7 +38,6 @@ RECONNECT_MAX_S = 30.0  # the LISTEN connection retries with doubling waits up t
 # except those that leave every copy as it was (a new user is in no stream yet)
 _OP_KINDS: dict[str, ChangeKind] = {"forget": "forget", "merge_users": "merge"}
 _OPS_NO_CHANGE = frozenset({"create_user"})
-_KEY_OPS = frozenset({"add_key", "merge_users", "forget"})  # the ops that bump store.keys_generation()
 
 
 @dataclass(frozen=True)
@@ -107,29 +107,17 @@ class OpLogChangeFeed(ChangeFeed):
         self.store = store
 
     def _loop(self) -> None:
-        last, gen = self.store.last_op_id(), self.store.keys_generation()
+        last = self.store.last_op_id()
         self.ready.set()
         while not self._stop.wait(self.poll_s):
             try:
-                new_gen = self.store.keys_generation()
                 rows = self.store.op_log(after_op_id=last, limit=10_000)
-                changes = changes_from_ops(rows)
-                if rows:
-                    last = rows[-1].op_id
-                if new_gen != gen and not any(r.op in _KEY_OPS for r in rows):
-                    # Keys changed with no row to say so: a forget whose op-log row took an id at or below
-                    # `last` (SQLite reuses the ids of the newest rows when forget deletes them). Follow the
-                    # log from where it ends now; report the forget (its row, when it is still the newest),
-                    # else a resync: reload everything.
-                    last = min(last, self.store.last_op_id())
-                    tail = self.store.op_log(after_op_id=last - 1, limit=1) if last else []
-                    hidden = tail[0] if tail and tail[0].op_id == last and tail[0].op == "forget" else None
-                    changes.append(Change("forget", (), hidden.ts) if hidden else Change("resync", (), time.time()))
-                gen = new_gen
             except Exception as e:  # noqa: BLE001 - a busy or restarting database: next round
                 log.warning("change feed: reading the op log failed (%s); retrying", e)
                 continue
-            for change in changes:
+            if rows:
+                last = rows[-1].op_id  # ids are never reused (SQLite schema v5), so nothing lands behind it
+            for change in changes_from_ops(rows):
                 self._deliver(change)
 
 

@@ -186,6 +186,44 @@ CREATE INDEX biometric_keys_added ON biometric_keys(added_generation);
 INSERT INTO meta (name, value) SELECT 'keys_removed_generation', value FROM meta WHERE name = 'keys_generation';
 """
 
+# v5: op-log ids are never reused. With a plain INTEGER PRIMARY KEY SQLite hands out max(op_id) + 1,
+# so when forget deletes the newest rows their ids come back, and a reader following the log "after
+# the last id seen" (egomem/memory/changes.py) would skip the rows that reuse them. AUTOINCREMENT keeps
+# the high-water mark in sqlite_sequence (as PostgreSQL's identity column does). SQLite cannot add it
+# in place: the table is rebuilt (DROP TABLE fires no DELETE trigger) with its indexes and v2 triggers.
+_V5 = """
+CREATE TABLE op_log_v5 (
+    op_id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts              REAL NOT NULL,
+    op              TEXT NOT NULL,
+    actor           TEXT NOT NULL,
+    user_id         TEXT,
+    related_user_id TEXT,
+    target          TEXT,
+    session_id      TEXT,
+    llm_model       TEXT,
+    prompt_hash     TEXT,
+    reason          TEXT,
+    detail          TEXT
+);
+INSERT INTO op_log_v5 SELECT op_id, ts, op, actor, user_id, related_user_id, target, session_id, llm_model,
+    prompt_hash, reason, detail FROM op_log ORDER BY op_id;
+DROP TABLE op_log;
+ALTER TABLE op_log_v5 RENAME TO op_log;
+CREATE INDEX op_log_user ON op_log(user_id);
+CREATE INDEX op_log_related ON op_log(related_user_id);
+CREATE TRIGGER op_log_no_update BEFORE UPDATE ON op_log
+WHEN NOT EXISTS (SELECT 1 FROM forget_guard)
+  OR NEW.op_id IS NOT OLD.op_id OR NEW.ts IS NOT OLD.ts OR NEW.op IS NOT OLD.op OR NEW.actor IS NOT OLD.actor
+  OR NEW.user_id IS NOT OLD.user_id OR NEW.related_user_id IS NOT OLD.related_user_id
+  OR NEW.target IS NOT OLD.target OR NEW.session_id IS NOT OLD.session_id OR NEW.llm_model IS NOT OLD.llm_model
+  OR NEW.prompt_hash IS NOT OLD.prompt_hash
+BEGIN SELECT RAISE(ABORT, 'op_log is append-only; only forget(user) may redact reason/detail'); END;
+CREATE TRIGGER op_log_no_delete BEFORE DELETE ON op_log
+WHEN NOT EXISTS (SELECT 1 FROM forget_guard)
+BEGIN SELECT RAISE(ABORT, 'op_log is append-only; only forget(user) may remove rows'); END;
+"""
+
 # version -> statements taking the database from version-1 to version.
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4}
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4, 5: _V5}
 SCHEMA_VERSION = max(MIGRATIONS)
