@@ -23,6 +23,8 @@ wheel's, default durability: fsync, synchronous_commit on) is never killed: the 
 from __future__ import annotations
 
 import argparse
+import collections
+import http.client
 import json
 import os
 import random
@@ -130,7 +132,8 @@ def role_writer(a: argparse.Namespace) -> None:
         text = f"{a.name} {pid} fact {seq}"
         item_id = store.add_fact(a.user, text)  # returned: acknowledged
         acks.add(fact=item_id, user=a.user, text=text)
-        if seq % 4 == 0:
+        time.sleep(a.write_gap_s)  # a steady load the workers can keep up with (flat out, the queue only grows)
+        if seq % a.job_every == 0:
             job = store.enqueue_job(JOB_KIND, f"{a.name}-{pid}-{seq}", {"user_id": a.jobs_user})
             acks.add(job=job.job_id, job_key=job.key)
 
@@ -184,8 +187,8 @@ class RestDriver:
                     if r.status == 201:
                         self.acks.add(fact=json.loads(r.read())["item_id"], user=self.user, text=text)
                         child.acked_since_start += 1
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                self.errors += 1  # down (killed, restarting): not acknowledged
+            except (urllib.error.URLError, http.client.HTTPException, TimeoutError, OSError):
+                self.errors += 1  # down (killed, restarting; killed mid-answer): not acknowledged
                 self.stop.wait(0.2)
 
 
@@ -224,15 +227,16 @@ def verify(dsn: str, run_dir: Path, names: list[str], jobs_user: str) -> dict[st
     by_user: dict[str, dict[str, str]] = {}
     lost_facts = 0
     for r in facts:
-        have = by_user.setdefault(r["user"], {i.item_id: i.text for i in store.items(r["user"], history=True)})
-        lost_facts += have.get(r["fact"]) != r["text"]
+        if r["user"] not in by_user:  # each user's items read once (not per acknowledged fact)
+            by_user[r["user"]] = {i.item_id: i.text for i in store.items(r["user"], history=True)}
+        lost_facts += by_user[r["user"]].get(r["fact"]) != r["text"]
     lost_jobs = sum(store.get_job(r["job"]) is None for r in job_acks)
     lost_commits = sum(store.get_session(f"{JOB_KIND}:{r['job_key']}") is None for r in commit_acks)
     keys = [r["job_key"] for r in commit_acks]
     dup_commit_acks = len(keys) - len(set(keys))
     jobs = [j for j in store.list_jobs() if j.kind == JOB_KIND]
-    ran = [i.text for i in store.items(jobs_user, history=True)]
-    dup_effects = sum(ran.count(f"job {j.key} ran") > 1 for j in jobs)
+    ran = collections.Counter(i.text for i in store.items(jobs_user, history=True))
+    dup_effects = sum(ran[f"job {j.key} ran"] > 1 for j in jobs)
     done_without_effect = sum(j.status == "done" and f"job {j.key} ran" not in ran for j in jobs)
     states: dict[str, int] = {}
     for j in jobs:
@@ -248,6 +252,15 @@ def verify(dsn: str, run_dir: Path, names: list[str], jobs_user: str) -> dict[st
         "jobs": {"total": len(jobs), "states": states,
                  "reclaimed_after_a_death (attempts > 1)": sum(j.attempts > 1 for j in jobs)},
     }
+
+
+def say(line: str) -> None:
+    """Progress on stderr (the result JSON goes to --out)."""
+    print(time.strftime("%H:%M:%S"), line, file=sys.stderr, flush=True)
+
+
+def driver_acks(driver: RestDriver) -> int:
+    return sum(c.acked_since_start for c in driver.children)
 
 
 def conduct(a: argparse.Namespace) -> dict[str, Any]:
@@ -273,7 +286,8 @@ def conduct(a: argparse.Namespace) -> dict[str, Any]:
         for i in range(a.initial_jobs):
             store.enqueue_job(JOB_KIND, f"initial-{i}", {"user_id": jobs_user})
         me = [sys.executable, str(Path(__file__).resolve()), "--dsn", dsn, "--run-dir", str(run_dir),
-              "--lease-s", str(a.lease_s), "--work-s", str(a.work_s), "--jobs-user", jobs_user]
+              "--lease-s", str(a.lease_s), "--work-s", str(a.work_s), "--jobs-user", jobs_user,
+              "--write-gap-s", str(a.write_gap_s), "--job-every", str(a.job_every)]
         children: list[Child] = []
         for i in range(a.workers):
             children.append(Child(f"worker{i}", "worker", [*me, "--role", "worker", "--name", f"worker{i}"]))
@@ -312,9 +326,11 @@ def conduct(a: argparse.Namespace) -> dict[str, Any]:
             victim.kill()
             victim.kills += 1
             kills.append({"role": victim.role, "name": victim.name, "t": round(time.monotonic() - t_start, 2)})
+            say(f"kill {len(kills)}/{a.kills}: {victim.name} (acked: {driver_acks(driver)} REST facts so far)")
             (run_dir / f"{victim.name}.ready").unlink(missing_ok=True)
             victim.start(env, run_dir / f"{victim.name}.log")
         driver.stop.set()
+        say("kills done: writers and orchestrators stop; the workers drain the queue")
         for c in children:  # writers and orchestrators stop writing; workers drain the queue
             if c.role != "worker":
                 c.kill()
@@ -334,6 +350,7 @@ def conduct(a: argparse.Namespace) -> dict[str, Any]:
                     c.proc.wait(30)
                 except subprocess.TimeoutExpired:
                     c.kill()
+        say("verifying against the store")
         result = verify(dsn, run_dir, [c.name for c in children] + ["rest"], jobs_user)
         by_role: dict[str, int] = {}
         for k in kills:
@@ -343,6 +360,7 @@ def conduct(a: argparse.Namespace) -> dict[str, Any]:
             "rest_errors_while_down": driver.errors,
             "setup": {"workers": a.workers, "writers": a.writers, "orchestrators": a.orchestrators,
                       "lease_s": a.lease_s, "work_s": a.work_s, "gap_s": [a.min_gap_s, a.max_gap_s],
+                      "write_gap_s": a.write_gap_s, "job_every": a.job_every,
                       "initial_jobs": a.initial_jobs, "seed": a.seed,
                       "postgres": "pgserver wheel, PostgreSQL 16, default durability (fsync on, synchronous_commit on)",
                       "machine": f"{os.cpu_count()} CPU cores, every process at nice 19"},
@@ -366,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--initial-jobs", type=int, default=40)
     ap.add_argument("--lease-s", type=float, default=3.0, help="job lease: a killed worker's job is retaken after it")
     ap.add_argument("--work-s", type=float, default=0.3, help="a job's simulated work, uniform in [0, this]")
+    ap.add_argument("--write-gap-s", type=float, default=0.02, help="a writer's pause between two facts")
+    ap.add_argument("--job-every", type=int, default=8, help="a writer enqueues a job every this many facts")
     ap.add_argument("--min-gap-s", type=float, default=0.5)
     ap.add_argument("--max-gap-s", type=float, default=2.0)
     ap.add_argument("--min-age-s", type=float, default=1.0, help="a process is killed only after it ran this long")

@@ -18,6 +18,9 @@ def _add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="PATH", help="TOML config file (default: $EGOMEM_CONFIG, else built-in defaults)")
 
 
+SERVE_PARTS = ("triton", "orchestrator", "worker")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start tritonserver, the orchestrator and the memory worker; keep them up until Ctrl-C / SIGTERM.
 
@@ -30,6 +33,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.models:
         cfg = with_overrides(cfg, {"server": {"models": args.models.split(",")}}, source="--models")
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(SERVE_PARTS))
+    if unknown or not parts:
+        print(f"--parts {args.parts!r}: choose among {', '.join(SERVE_PARTS)} (comma-separated)", file=sys.stderr)
+        return 2
+    if args.no_worker and "worker" in parts:
+        parts.remove("worker")
     stop = threading.Event()
 
     def on_signal(*_) -> None:
@@ -39,13 +49,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    stack = Stack(cfg, models=args.models.split(",") if args.models else models_for(cfg), worker=not args.no_worker)
-    print(f"starting tritonserver with models {stack.triton.models} (log: {stack.triton.log_path}) ...", flush=True)
+    stack = Stack(cfg, models=args.models.split(",") if args.models else models_for(cfg), worker="worker" in parts,
+                  triton="triton" in parts, orchestrator="orchestrator" in parts)
+    if "triton" in parts:
+        print(f"starting tritonserver with models {stack.triton.models} (log: {stack.triton.log_path}) ...", flush=True)
     try:
         with stack:
-            print(f"ready: chat ws://{cfg.orchestrator.host}:{cfg.orchestrator.port}/api/chat, REST {stack.url}/api, "
-                  f"metrics {stack.url}/metrics; tokens in {cfg.orchestrator.tokens_file or cfg.server.run_dir / 'tokens.json'}; "
-                  f"Triton gRPC {stack.triton.grpc_url}. Ctrl-C to stop.", flush=True)
+            ready = []
+            if "orchestrator" in parts:
+                ready.append(f"chat ws://{cfg.orchestrator.host}:{cfg.orchestrator.port}/api/chat, REST {stack.url}/api, "
+                             f"metrics {stack.url}/metrics; tokens in "
+                             f"{cfg.orchestrator.tokens_file or cfg.server.run_dir / 'tokens.json'}; Triton replicas "
+                             f"{', '.join(cfg.server.grpc_urls())}")
+            if "triton" in parts:
+                ready.append(f"Triton gRPC {stack.triton.grpc_url}")
+            if "worker" in parts:
+                ready.append(f"memory worker on {cfg.memory.backend}")
+            print(f"ready: {'; '.join(ready)}. Ctrl-C to stop.", flush=True)
             while not stop.wait(1.0):
                 try:
                     stack.supervise(stop)
@@ -137,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--models", help="comma-separated models to load (default: what the orchestrator needs)")
     p.add_argument("--no-worker", action="store_true", help="do not run a memory worker in this process")
+    p.add_argument("--parts", default=",".join(SERVE_PARTS), metavar="LIST",
+                   help="what this machine runs, comma-separated among triton, orchestrator, worker (default: all; "
+                        "several machines: README 'Several machines')")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("chat", help="terminal chat client: microphone or a speech file, images, events",

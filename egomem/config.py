@@ -49,7 +49,11 @@ class ServerConfig:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
-    host: str = "127.0.0.1"  # address the orchestrator dials
+    host: str = "127.0.0.1"  # address tritonserver binds and the orchestrator dials ("0.0.0.0" on a Triton-only machine)
+    # Triton replicas the orchestrator spreads its streams over, "host:grpc_port" each; empty: the one at
+    # host:grpc_port. A stream stays on its replica; one that stops answering is skipped until it is ready again.
+    triton_urls: list[str] = field(default_factory=list)
+    replica_probe_s: float = 1.0  # how often the orchestrator asks each replica whether its models are ready
     startup_timeout_s: float = 180.0  # torch import + model build per Python stub on a 2-core CPU
     shutdown_timeout_s: float = 20.0  # SIGTERM grace before SIGKILL; Triton gets half to drain
     device: Device = "auto"  # auto: KIND_GPU when CUDA is visible, else KIND_CPU
@@ -63,6 +67,10 @@ class ServerConfig:
     max_restarts: int = 5
     restart_window_s: float = 600.0
     restart_backoff_s: float = 1.0  # wait before a restart; doubles per restart within the window
+
+    def grpc_urls(self) -> list[str]:
+        """The Triton replicas the orchestrator dials: `triton_urls`, else the one server at host:grpc_port."""
+        return list(self.triton_urls) or [f"{self.host}:{self.grpc_port}"]
 
 
 @dataclass
@@ -427,7 +435,7 @@ POSITIVE = (
     "identity.face_detect_max_side", "identity.max_audio_s", "identity.index_approx_min_keys",
     "identity.index_candidates", "identity.ivf_nprobe", "identity.hnsw_m", "identity.hnsw_ef_construction",
     "identity.hnsw_ef_search", "retrieval.top_k", "orchestrator.poll_interval_s",
-    "orchestrator.identify_window_s", "orchestrator.triton_timeout_s", "orchestrator.chunk_steps",
+    "orchestrator.identify_window_s", "orchestrator.triton_timeout_s", "server.replica_probe_s", "orchestrator.chunk_steps",
     "orchestrator.send_queue_messages", "orchestrator.max_message_bytes", "memory.job_lease_s",
     "memory.job_max_attempts", "memory.worker_poll_s", "memory.busy_timeout_s", "llm.max_attempts",
     "asr.max_attempts", "trigger.num_heads", "trigger.max_chunk_steps")
@@ -456,10 +464,18 @@ def validate(cfg: Config, source: str = "config") -> None:
     for a, b in (("server.http_port", "server.grpc_port"), ("server.http_port", "server.metrics_port"),
                  ("server.grpc_port", "server.metrics_port")):
         need(ports[a] == 0 or ports[a] != ports[b], f"{a} and {b} are both {ports[a]}: tritonserver needs three ports")
+    for url in cfg.server.triton_urls:
+        host, _, port = url.rpartition(":")
+        need(bool(host) and port.isdigit() and 0 < int(port) <= 65535,
+             f"server.triton_urls has {url!r}: each replica is 'host:grpc_port' (e.g. 'gpu-1:8001')")
+    need(len(set(cfg.server.triton_urls)) == len(cfg.server.triton_urls),
+         f"server.triton_urls lists a replica twice: {cfg.server.triton_urls}")
+    replicas = len(cfg.server.grpc_urls())  # each replica holds a model pool of its own
     for pool in ("dialog.max_streams", "mimi.max_streams"):
-        need(cfg.orchestrator.max_streams <= _get(cfg, pool),
-             f"orchestrator.max_streams = {cfg.orchestrator.max_streams} exceeds {pool} = {_get(cfg, pool)}: the "
-             f"orchestrator would admit chats the model has no slot for; lower the first or raise the second")
+        need(cfg.orchestrator.max_streams <= _get(cfg, pool) * replicas,
+             f"orchestrator.max_streams = {cfg.orchestrator.max_streams} exceeds {pool} = {_get(cfg, pool)}"
+             + (f" x {replicas} Triton replicas" if replicas > 1 else "") + ": the orchestrator would admit chats "
+             "the model has no slot for; lower the first or raise the second")
     d, i, r, t, m = cfg.dialog, cfg.identity, cfg.retrieval, cfg.trigger, cfg.memory
     context = DIALOG_PRESET_CONTEXT[d.preset]
     if d.ring_steps == 0:

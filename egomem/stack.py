@@ -102,12 +102,18 @@ def _stop_group(pid: int, grace_s: float) -> None:
 
 
 class Stack:
-    def __init__(self, cfg: Config, models: list[str] | None = None, labeler=None, worker: bool = True):
+    def __init__(self, cfg: Config, models: list[str] | None = None, labeler=None, worker: bool = True,
+                 triton: bool = True, orchestrator: bool = True):
+        """The parts this machine runs (all three by default; README "Several machines"): `triton=False`
+        for an orchestrator that dials the replicas in server.triton_urls, `orchestrator=False` (and
+        `worker=False`) for a machine that only serves the models."""
         self.cfg = cfg
         self.run_dir = Path(cfg.server.run_dir)
         self.triton = TritonServer(cfg, models=models or models_for(cfg))
         self.labeler = labeler
         self.with_worker = worker
+        self.with_triton = triton
+        self.with_orchestrator = orchestrator
         self.orchestrator: subprocess.Popen | None = None
         self.worker: subprocess.Popen | None = None  # the worker process (None: none, or a thread)
         self._stop_worker = threading.Event()
@@ -133,13 +139,16 @@ class Stack:
             if f.is_file():
                 os.chmod(f, 0o600)  # a store made before files were private (new ones: the children's umask)
         self.stop_stale()
-        self._require_port(self.cfg.orchestrator.host, self.cfg.orchestrator.port, "orchestrator.port")
-        self.tokens = ensure_tokens(self.cfg)
+        if self.with_orchestrator:
+            self._require_port(self.cfg.orchestrator.host, self.cfg.orchestrator.port, "orchestrator.port")
+            self.tokens = ensure_tokens(self.cfg)
         self._stopping = False
-        self.triton.start()
+        if self.with_triton:
+            self.triton.start()
         try:
             self._write_pid_file()
-            self.start_orchestrator()
+            if self.with_orchestrator:
+                self.start_orchestrator()
             if self.with_worker:
                 self.start_worker()
             self._write_pid_file()
@@ -222,7 +231,8 @@ class Stack:
 
     # -- supervision ----------------------------------------------------------------------------
     def is_alive(self) -> bool:
-        return self.triton.is_alive() and self.orchestrator is not None and self.orchestrator.poll() is None
+        return ((not self.with_triton or self.triton.is_alive())
+                and (not self.with_orchestrator or (self.orchestrator is not None and self.orchestrator.poll() is None)))
 
     def supervise(self, stop: threading.Event | None = None) -> None:
         """Restart whichever child died (from the thread that started the stack, so the new one
@@ -231,12 +241,12 @@ class Stack:
         stop = stop or threading.Event()
         if self._stopping:
             return
-        if not self.triton.is_alive():
+        if self.with_triton and not self.triton.is_alive():
             code = None if self.triton.proc is None else self.triton.proc.returncode
             self._restart("tritonserver", code, self.triton.log_tail(), stop, self.triton.restart)
         if self._stopping or stop.is_set():
             return
-        if self.orchestrator is None or self.orchestrator.poll() is not None:
+        if self.with_orchestrator and (self.orchestrator is None or self.orchestrator.poll() is not None):
             code = None if self.orchestrator is None else self.orchestrator.returncode
             self._restart("orchestrator", code, self.log_tail(), stop, self.start_orchestrator)
         if not self.with_worker or self._stopping or stop.is_set():

@@ -10,7 +10,6 @@ and `/openapi.json`, its description (openapi.py, which reads rest.py's routes).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import logging.handlers
 import os
@@ -22,18 +21,15 @@ from aiohttp import web
 
 from egomem.config import Config, load_config
 from egomem.memory import open_store
-from egomem.serving.client import AsyncTritonClient
 from egomem.stack import tokens_path
 
 from .auth import TokenTable, auth_middleware
 from .changes import CHANGES, ChangeApplier
-from .cohort import encode_cohort, step_cohort
-from .gateway import ModelGateway, new_sequence_ids
-from .grid import GridClock
 from .metrics import Metrics
 from .middlewares import errors, install_log_redaction, limits
 from .openapi import spec
 from .perception import Perception
+from .replicas import Replicas
 from .rest import routes
 from .services import CONFIG, METRICS, SERVICES, Services
 from .ws import chat
@@ -47,29 +43,27 @@ async def services_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     oc = cfg.orchestrator
     store = await asyncio.to_thread(open_store, cfg.memory)
-    triton = AsyncTritonClient(f"{cfg.server.host}:{cfg.server.grpc_port}", timeout_s=oc.triton_timeout_s)
+    metrics = app[METRICS]
+    replicas = await Replicas(cfg, metrics).start()
     perception = None
     if oc.identify_models or oc.retrieval:
-        perception = await asyncio.to_thread(Perception, cfg, triton, store, oc.retrieval)
-    metrics = app[METRICS]
-    gateway = ModelGateway(triton, metrics, oc.triton_timeout_s, new_sequence_ids())
-    clock = GridClock(metrics, oc.max_tick_lag_s, functools.partial(encode_cohort, gateway=gateway),
-                      functools.partial(step_cohort, gateway=gateway), oc.overlap_ticks)
-    services = Services(cfg, triton, store, metrics, perception, gateway, clock)
+        perception = await asyncio.to_thread(Perception, cfg, replicas.client, store, oc.retrieval)
+    services = Services(cfg, store, metrics, perception, replicas)
     app[SERVICES] = services
     changes = app[CHANGES] = ChangeApplier(services, asyncio.get_running_loop()).start()  # others' changes
     if not await asyncio.to_thread(changes.feed.ready.wait, CHANGE_FEED_READY_S):
         log.warning("orchestrator: the store's change feed is not listening yet; changes made elsewhere "
                     "reach this process's streams once it is (check memory.dsn and the server)")
     where = cfg.memory.database if cfg.memory.backend == "sqlite" else f"postgres {_dsn_without_password(cfg.memory.dsn)}"
-    log.info("orchestrator: Triton at %s, store %s, %d stream slots", triton.url, where, oc.max_streams)
+    log.info("orchestrator: Triton at %s (%d of them ready), store %s, %d stream slots",
+             ", ".join(r.url for r in replicas.replicas), sum(r.ready for r in replicas.replicas), where, oc.max_streams)
     yield
     services.stop_streams()  # streams end their Triton sequences and flush memory
     await services.closed_streams(STREAMS_CLOSE_S)
     await changes.close()
     if perception is not None:
         perception.close()
-    await triton.close()
+    await replicas.close()
     await asyncio.to_thread(store.close)
 
 

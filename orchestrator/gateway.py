@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -46,12 +46,15 @@ def new_sequence_ids() -> itertools.count[int]:
 
 
 class ModelGateway:
-    def __init__(self, triton: AsyncTritonClient, metrics: Metrics, timeout_s: float, sequence_ids: Iterator[int]):
-        """`sequence_ids`: Triton correlation ids, unique and > 0 (the streams' and the cohort calls' own)."""
+    def __init__(self, triton: AsyncTritonClient, metrics: Metrics, timeout_s: float, sequence_ids: Iterator[int],
+                 on_unavailable: Callable[[], None] | None = None):
+        """`sequence_ids`: Triton correlation ids, unique and > 0 (the streams' and the cohort calls' own);
+        `on_unavailable` is told when a call finds the server gone (orchestrator/replicas.py marks it down)."""
         self.triton = triton
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.sequence_ids = sequence_ids
+        self.on_unavailable = on_unavailable
 
     def new_sequence_id(self) -> int:
         return next(self.sequence_ids)
@@ -65,6 +68,8 @@ class ModelGateway:
                                                          outputs, timeout_s=self.timeout_s)
         except TritonUnavailable as e:
             self.metrics.inc(TRITON_ERRORS, len(sequence_ids))
+            if self.on_unavailable is not None:
+                self.on_unavailable()
             return {}, [StreamFailed(f"model server unavailable: {e}", CLOSE_INTERNAL) for _ in sequence_ids]
         except TritonRequestError as e:
             self.metrics.inc(TRITON_ERRORS, len(sequence_ids))

@@ -51,6 +51,8 @@ DEFINITIONS = {
     "egomem_changes_applied_total": ("counter", "Store changes (forget, merge, profile) applied from the change feed."),
     "egomem_change_propagation_seconds": ("histogram", "From a store change's commit (any process) to applied here."),
     "egomem_triton_errors_total": ("counter", "Failed Triton calls."),
+    "egomem_triton_replicas": ("gauge", "Triton replicas configured (server.triton_urls)."),
+    "egomem_triton_replicas_ready": ("gauge", "Triton replicas whose stream models answered ready at the last probe."),
     "egomem_http_requests_total": ("counter", "REST requests handled."),
 }
 

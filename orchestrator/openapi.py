@@ -11,7 +11,7 @@ from aiohttp import web
 # (method, path, summary, scope); inputs come from the handlers' schemas
 ENDPOINTS: list[tuple[str, str, str, str | None]] = [
     ("get", "/healthz", "Liveness: the process answers.", None),
-    ("get", "/readyz", "Readiness: Triton and the dialog models are ready (503 otherwise).", None),
+    ("get", "/readyz", "Readiness: a Triton replica has the dialog models ready (503 otherwise); per replica its state and streams.", None),
     ("get", "/metrics", "Prometheus metrics (text format 0.0.4).", None),
     ("get", "/openapi.json", "This description.", None),
     ("get", "/api/chat", "WebSocket: Moshi's binary protocol plus EgoMem's kinds (README 'Chat protocol'). "

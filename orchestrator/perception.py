@@ -1,6 +1,7 @@
 """Who is there, and what they know: the orchestrator's seams to identification and retrieval.
 
-- `Perception.faces(jpeg)` / `.voice(pcm)`: the `face_encoder` / `speaker_encoder` models on Triton.
+- `Perception.faces(jpeg)` / `.voice(pcm)`: the `face_encoder` / `speaker_encoder` models on Triton (any ready
+  replica: these calls keep no state).
 - `Perception.identify(...)`: `egomem.identity.StoreBackedIdentifier` (the memory worker uses the same), its index
   synced when `store.keys_generation()` changes (enrolment: keys added; merge, forget: rebuilt).
 - `Perception.retrieve(user_id, query)`: Level-2 retrieval (`egomem.retrieval`) over the user's
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import io
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,29 +48,44 @@ def decode_image(data: bytes, max_pixels: int) -> np.ndarray:
 
 
 class _TritonTextEncoder:
-    """`TextEncoder` over the `text_encoder` model with a blocking gRPC client (used from worker threads)."""
+    """`TextEncoder` over the `text_encoder` model with blocking gRPC clients (used from worker threads),
+    one per Triton replica, each call on the replica `url()` names."""
 
-    def __init__(self, url: str, timeout_s: float):
+    def __init__(self, url: Callable[[], str], timeout_s: float):
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
-        self._client = grpcclient.InferenceServerClient(url, channel_args=channel_args())  # reconnects fast
+        self._url = url
+        self._clients: dict[str, grpcclient.InferenceServerClient] = {}
+        self._lock = threading.Lock()
         self.timeout_s = timeout_s
+
+    def _client(self):
+        url = self._url()
+        with self._lock:
+            if url not in self._clients:  # reconnects fast (channel_args)
+                self._clients[url] = self._grpc.InferenceServerClient(url, channel_args=channel_args())
+            return self._clients[url]
 
     def encode(self, texts) -> np.ndarray:
         arr = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
         inp = self._grpc.InferInput("TEXT", [len(texts)], "BYTES")
         inp.set_data_from_numpy(arr)
-        res = self._client.infer("text_encoder", [inp], outputs=[self._grpc.InferRequestedOutput("EMBEDDINGS")],
-                                 client_timeout=self.timeout_s)
+        res = self._client().infer("text_encoder", [inp], outputs=[self._grpc.InferRequestedOutput("EMBEDDINGS")],
+                                   client_timeout=self.timeout_s)
         return res.as_numpy("EMBEDDINGS").astype(np.float32)  # [N, D]
 
     def close(self) -> None:
-        self._client.close()
+        with self._lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()
 
 
 class Perception:
-    def __init__(self, cfg: Config, triton: AsyncTritonClient, store: MemoryStore, use_text_encoder: bool = True):
+    def __init__(self, cfg: Config, triton: Callable[[], AsyncTritonClient], store: MemoryStore,
+                 use_text_encoder: bool = True):
+        """`triton()`: the client of a ready Triton replica for each stateless encoder call."""
         self.cfg = cfg
         self.triton = triton
         self.store = store
@@ -81,7 +98,7 @@ class Perception:
         self.forgets = 0  # bumped by every forget; a retrieval that spans one is redone
         self._busy = False  # a retrieval is using the retriever's caches (under `_state`)
         self.identifier = StoreBackedIdentifier(store, cfg.identity)  # the memory worker's identifier too
-        self._text = _TritonTextEncoder(triton.url, cfg.orchestrator.triton_timeout_s) if use_text_encoder else None
+        self._text = _TritonTextEncoder(lambda: triton().url, cfg.orchestrator.triton_timeout_s) if use_text_encoder else None
         self.retriever = Level2Retriever.from_config(cfg.retrieval, self._text, cfg.dialog.l2_steps)
 
     def close(self) -> None:
@@ -90,7 +107,7 @@ class Perception:
 
     # -- encoders on Triton ---------------------------------------------------------------------
     async def faces(self, image: np.ndarray) -> FaceResult:
-        r = await self.triton.infer("face_encoder", {"IMAGE": image}, ["EMBEDDINGS", "SPEAKER", "MODEL_ID"],
+        r = await self.triton().infer("face_encoder", {"IMAGE": image}, ["EMBEDDINGS", "SPEAKER", "MODEL_ID"],
                                     timeout_s=self.cfg.orchestrator.triton_timeout_s * 4)
         mid = r["MODEL_ID"].reshape(-1)[0]
         return FaceResult(r["EMBEDDINGS"].astype(np.float32), int(r["SPEAKER"].reshape(-1)[0]),
@@ -98,7 +115,7 @@ class Perception:
 
     async def voice(self, pcm: np.ndarray) -> np.ndarray | None:
         """[T] float32 24 kHz -> [D] embedding, or None when too little of it is speech."""
-        r = await self.triton.infer("speaker_encoder", {"PCM": pcm.astype(np.float32)}, ["EMBEDDING", "VOICED"],
+        r = await self.triton().infer("speaker_encoder", {"PCM": pcm.astype(np.float32)}, ["EMBEDDING", "VOICED"],
                                     timeout_s=self.cfg.orchestrator.triton_timeout_s * 4)
         return r["EMBEDDING"].astype(np.float32) if bool(r["VOICED"].reshape(-1)[0]) else None
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from egomem.memory import StoreError
 from egomem.memory.types import Provenance
 
+from .replicas import STREAM_MODELS
 from .services import SERVICES, Services
 from .validate import ID_PATTERN, INT64_MAX, Bool, Inputs, Int, Str, validated
 
@@ -81,11 +82,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
+    """Ready when at least one Triton replica has the stream models ready (asked now, never cached)."""
     s = _s(request)
-    models = ["mimi_codec", "dialog_lm"]
-    ready = {m: await s.triton.is_ready(m) for m in models}
-    ok = all(ready.values())
-    return await _json({"ready": ok, "models": ready, "free_stream_slots": s.free_slots}, status=200 if ok else 503)
+    replicas = await s.replicas.probe()
+    ready = {m: any(r.models.get(m, False) for r in replicas) for m in STREAM_MODELS}
+    ok = any(r.ready for r in replicas)
+    return await _json({"ready": ok, "models": ready, "free_stream_slots": s.free_slots,
+                        "replicas": [{"replica": r.index, "ready": r.ready, "streams": r.streams} for r in replicas]},
+                       status=200 if ok else 503)
 
 
 @routes.get("/metrics")

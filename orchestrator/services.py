@@ -17,13 +17,11 @@ from aiohttp import web
 
 from egomem.config import Config
 from egomem.memory import MemoryStore
-from egomem.serving.client import AsyncTritonClient
 
-from .gateway import ModelGateway
-from .grid import GridClock
 from .metrics import Metrics
 from .perception import Perception
 from .recording import Recorder
+from .replicas import Replicas
 
 
 class OpenStream(Protocol):
@@ -44,12 +42,12 @@ class OpenStream(Protocol):
 @dataclass
 class Services:
     cfg: Config
-    triton: AsyncTritonClient
     store: MemoryStore
     metrics: Metrics
     perception: Perception | None  # None: identification/retrieval models are off
-    gateway: ModelGateway  # the sequence-batched models (mimi_codec, dialog_lm): calls, sequence ids
-    clock: GridClock  # ticks the global-clock streams in lockstep (its phases call the gateway)
+    # The tritonservers: each with its model gateway (mimi_codec, dialog_lm calls) and its grid clock
+    # (ticks its global-clock streams in lockstep); a stream is pinned to one (replicas.py).
+    replicas: Replicas
     streams: dict[str, OpenStream] = field(default_factory=dict)  # open chats by stream id (ws.py keeps it)
     # Recorded chunks cut and on their way into the job queue; a forget waits for them (`handoffs_done`).
     handoffs: set[asyncio.Future[None]] = field(default_factory=set)

@@ -6,9 +6,9 @@
   - who is there and the MemChunk refreshes waiting for the next tick: memchunk.py (`MemChunk`);
   - recording each tick for the memory manager: recording.py (`Recorder`, `submit`).
 
-Dialog tick (every 80 ms, docs/architecture.md#one-80-ms-tick; driven by the grid clock shared by all streams, orchestrator/grid.py,
-or with `tick_clock = "input"` by the stream's own loop; the model calls for a cohort of streams are in
-orchestrator/cohort.py):
+Dialog tick (every 80 ms, docs/architecture.md#one-80-ms-tick; driven by the grid clock shared by all streams
+on the stream's Triton replica, orchestrator/grid.py and replicas.py, or with `tick_clock = "input"` by the
+stream's own loop; the model calls for a cohort of streams are in orchestrator/cohort.py):
   1. take 1920 samples of client audio (`next_frame`); none ready -> silence is fed (a late frame), the
      model keeps talking;
   2. `mimi_codec`: encode this frame -> listen codes;
@@ -60,7 +60,8 @@ class Stream:
         self.cfg = services.cfg
         self.oc = services.cfg.orchestrator
         self.stream_id = stream_id
-        self.sequence_id = services.gateway.new_sequence_id()
+        self.replica = services.replicas.pin()  # its model state lives there until it ends (unpinned in run)
+        self.sequence_id = self.replica.gateway.new_sequence_id()
         self.send = send
         self.closed = asyncio.Event()  # set by stop(), or when the ticks end on their own
         self.ticking_ended = asyncio.Event()  # the tick loop is over and `failure` says why, if it failed
@@ -165,6 +166,7 @@ class Stream:
                 t.cancel()
             await asyncio.gather(self.queries.close(), *self._reloads, return_exceptions=True)
             await self._end_sequences()
+            self.s.replicas.unpin(self.replica)
             await asyncio.gather(*self._flushes, return_exceptions=True)
             await self.flush_memory()
 
@@ -174,7 +176,7 @@ class Stream:
     async def _end_sequences(self) -> None:
         if self.encoded == 0:  # no model holds state for this stream yet
             return
-        failure, = await end_cohort([self], self.s.gateway)
+        failure, = await end_cohort([self], self.replica.gateway)
         if failure is not None:
             log.info("stream %s: closing its model state: %s", self.stream_id, failure)
 
@@ -186,7 +188,7 @@ class Stream:
         more than one tick ahead of the stream's 12.5 Hz clock, and at the latest `late_grace_s` after
         the clock's due time: then silence is fed and the model keeps talking."""
         if self.oc.tick_clock == "global":
-            await self.s.clock.run(self)
+            await self.replica.clock.run(self)
             return
         loop = asyncio.get_running_loop()
         m = self.s.metrics
@@ -212,7 +214,7 @@ class Stream:
                 m.inc("egomem_tick_deadline_misses_total", skipped)
                 due += skipped * TICK_S
             t0 = loop.time()
-            failure = (await tick_cohort([self], self.s.gateway)).get(self)
+            failure = (await tick_cohort([self], self.replica.gateway)).get(self)
             if failure is not None:
                 raise failure
             t1 = loop.time()
@@ -236,7 +238,8 @@ class Stream:
         self.ticks += 1
         if start:  # both models hold the stream now: Moshi's handshake means "send audio"
             self.send(pack(HANDSHAKE))
-            self.send(pack_event("stream_open", stream_id=self.stream_id, sequence_id=self.sequence_id))
+            self.send(pack_event("stream_open", stream_id=self.stream_id, sequence_id=self.sequence_id,
+                                 replica=self.replica.index))
         if refresh is not None:
             dt = time.monotonic() - refresh.asked_at
             self.s.metrics.observe("egomem_refresh_seconds", dt)

@@ -231,7 +231,7 @@ def test_input_clock_ticks_each_stream_on_its_own_frames(triton, tmp_path):
                     await asyncio.sleep(0.08)
                 await talker.wait_for(lambda s: s.pcm.size >= 6 * 1920, 60)
                 return (o.services.streams[sid].ticks, o.services.streams[quiet].ticks,
-                        m.get("egomem_late_frames_total") - late0, talker.pcm.size, o.services.clock.size)
+                        m.get("egomem_late_frames_total") - late0, talker.pcm.size, o.services.replicas.replicas[0].clock.size)
 
         talker_ticks, quiet_ticks, late, pcm_samples, grid_streams = run(go())
     assert talker_ticks >= 10 and quiet_ticks >= 10  # both ticked, each on its own loop
