@@ -2,7 +2,7 @@
 write memory into one PostgreSQL while this script SIGKILLs one of them at a random moment and
 restarts it, `--kills` times; then it counts acknowledged writes lost and jobs run twice.
 
-    nice -n 19 .venv/bin/python bench/durability_pg.py [--kills 60] [--workers 2] [--writers 2] [--orchestrators 1]
+    .venv/bin/python bench/durability_pg.py [--kills 60] [--workers 2] [--writers 2] [--orchestrators 1]
 
 Roles (each a process of its own; killed and restarted by name):
 - worker: the memory worker's job loop on the durable queue (`claim_job`: FOR UPDATE SKIP LOCKED, a
@@ -363,8 +363,8 @@ def conduct(a: argparse.Namespace) -> dict[str, Any]:
                       "write_gap_s": a.write_gap_s, "job_every": a.job_every,
                       "initial_jobs": a.initial_jobs, "seed": a.seed,
                       "postgres": "pgserver wheel, PostgreSQL 16, default durability (fsync on, synchronous_commit on)",
-                      "machine": f"{os.cpu_count()} CPU cores, every process at nice 19"},
-            "command": "nice -n 19 .venv/bin/python bench/durability_pg.py " + " ".join(sys.argv[1:]),
+                      "machine": f"{os.cpu_count()} CPU cores, the killed processes at nice 19"},
+            "command": ".venv/bin/python bench/durability_pg.py " + " ".join(sys.argv[1:]),
         })
         return result
     finally:
