@@ -22,7 +22,8 @@ SERVE_PARTS = ("triton", "orchestrator", "worker")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Start tritonserver, the orchestrator and the memory worker; keep them up until Ctrl-C / SIGTERM.
+    """Start tritonserver, the orchestrator and the memory worker (or the `--parts` this machine runs);
+    keep them up until Ctrl-C / SIGTERM.
 
     A child that dies is restarted (server.max_restarts within server.restart_window_s, with backoff);
     the children die with this process, and <server.run_dir>/serve.pid lets the next `serve` stop any

@@ -81,14 +81,14 @@ def wait_until(pred, timeout: float, what: str, step: float = 0.2):
 class Serve:
     """One `egomem serve` subprocess and what its pid file says."""
 
-    def __init__(self, cfg, config_path: Path):
-        self.cfg, self.config_path = cfg, config_path
+    def __init__(self, cfg, config_path: Path, args: tuple[str, ...] = ("--models", MODELS)):
+        self.cfg, self.config_path, self.args = cfg, config_path, args
         self.run_dir = Path(cfg.server.run_dir)
         self.proc: subprocess.Popen | None = None
         self.lines: list[str] = []
 
     def start(self, timeout: float = 300) -> Serve:
-        argv = [EGOMEM, "serve", "--config", str(self.config_path), "--models", MODELS]
+        argv = [EGOMEM, "serve", "--config", str(self.config_path), *self.args]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -244,6 +244,40 @@ def test_a_killed_serve_leaves_no_process_and_a_new_one_starts_on_the_same_ports
         again.stop()
         assert again.proc.returncode == 0, "".join(again.lines[-30:])
         serve.proc = None  # nothing left for the fixture to stop
+
+
+# -- one part per machine ---------------------------------------------------------------------------
+def test_serve_parts_runs_an_orchestrator_alone_on_a_remote_triton(triton, tmp_path):
+    """`egomem serve --parts orchestrator`: no tritonserver of its own; its streams run on the Triton
+    named in server.triton_urls (here the session's, as another machine's would be)."""
+    for m in MODELS.split(","):
+        triton.load(m)
+    cfg = test_config(tmp_path / "run", mimi={"max_streams": 2}, dialog={"max_streams": 2},
+                      orchestrator={"max_streams": 2})
+    oc = cfg.orchestrator
+    oc.port, oc.identify_models, oc.retrieval = free_port(), False, False
+    cfg.server.triton_urls = [triton.grpc_url]
+    cfg.memory.chunk_dir = tmp_path / "run" / "chunks"
+    path = tmp_path / "serve.toml"
+    path.write_text(to_toml(cfg))
+    bad = subprocess.run([EGOMEM, "serve", "--config", str(path), "--parts", "triton,gpu"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "choose among triton, orchestrator, worker" in bad.stderr
+    s = Serve(cfg, path, ("--parts", "orchestrator")).start()
+    try:
+        assert set(s.children()) == {"orchestrator"}  # no tritonserver, no worker here
+
+        async def chat():
+            async with EgoMemClient(s.url, s.tokens["stream"]) as c, c.chat(handshake_timeout=60) as ch:
+                await stream_audio(ch, tone(0.4))
+                await ch.wait_for(lambda x: len(x.audio_chunks) >= 2, 60)
+                return (await ch.wait_event("stream_open"))["replica"], ch.errors
+
+        replica, errors = run(chat())
+        assert replica == 0 and errors == []
+    finally:
+        s.stop()
+    assert s.proc.returncode == 0, "".join(s.lines[-30:])
 
 
 # -- strays and ports, without servers ----------------------------------------------------------------
