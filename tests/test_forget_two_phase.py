@@ -132,7 +132,11 @@ def _two_orchestrators(backend: Any, tmp_path: Any, **memory: Any) -> Iterator[t
         with OrchestratorThread(cfgs[0]) as a, OrchestratorThread(cfgs[1]) as b:
             live = lambda: {o.origin for o in store.live_orchestrators(cfgs[0].memory.orchestrator_live_s)}  # noqa: E731
             wait_until(lambda: {a.services.store.origin, b.services.store.origin} <= live(), 15)
-            yield a, b, store, {"max": max_, "ann": ann}
+            try:
+                yield a, b, store, {"max": max_, "ann": ann}
+            finally:  # a FakeStream never ends by itself: closed here, the app's shutdown does not wait for it
+                for o in (a, b):
+                    _on_loop(o, lambda o=o: [o.services.drop_stream(k) for k in list(o.services.streams)])
     finally:
         store.close()
 
