@@ -182,6 +182,15 @@ class MemoryConfig:
     profile_max_chars: int = 2000  # rendered profile; the dialog side cuts it to the 512-step Level-1 MemChunk
     forget_face_distance: float = 0.30  # forget drops a waiting chunk's face poll this near the person's key, if nearest
     forget_voice_distance: float = 0.35  # likewise voices (raw cosine); looser than identify: forget errs on forgetting
+    # Two-phase forget across orchestrators sharing the store (egomem/memory/sql/coordination.py, orchestrator/forgets.py):
+    # a forget announces itself, waits at most this long for every live orchestrator to redact its recordings
+    # and acknowledge, then forgets anyway (the REST answer lists the orchestrators that did not acknowledge)
+    forget_prepare_timeout_s: float = 5.0
+    forget_ack_poll_s: float = 0.05  # how often the forgetting orchestrator looks for acknowledgements meanwhile
+    # an announced forget that never happens (its orchestrator died) stops redacting others' new chunks after this
+    forget_prepare_ttl_s: float = 300.0
+    orchestrator_heartbeat_s: float = 2.0  # each orchestrator's change applier marks it live in the store this often
+    orchestrator_live_s: float = 10.0  # live (waited for by a forget) while its last heartbeat is at most this old
 
 
 @dataclass
@@ -437,7 +446,9 @@ POSITIVE = (
     "identity.hnsw_ef_search", "retrieval.top_k", "orchestrator.poll_interval_s",
     "orchestrator.identify_window_s", "orchestrator.triton_timeout_s", "server.replica_probe_s", "orchestrator.chunk_steps",
     "orchestrator.send_queue_messages", "orchestrator.max_message_bytes", "memory.job_lease_s",
-    "memory.job_max_attempts", "memory.worker_poll_s", "memory.busy_timeout_s", "llm.max_attempts",
+    "memory.job_max_attempts", "memory.worker_poll_s", "memory.busy_timeout_s", "memory.forget_prepare_timeout_s",
+    "memory.forget_ack_poll_s", "memory.forget_prepare_ttl_s", "memory.orchestrator_heartbeat_s",
+    "memory.orchestrator_live_s", "llm.max_attempts",
     "asr.max_attempts", "trigger.num_heads", "trigger.max_chunk_steps")
 NON_NEGATIVE = ("dialog.l1_steps", "dialog.l2_steps", "dialog.ring_steps", "dialog.temperature",
                 "trigger.window_overlap_steps", "identity.ivf_nlist")
@@ -510,6 +521,13 @@ def validate(cfg: Config, source: str = "config") -> None:
          "memory.backend = 'postgres' needs memory.dsn (e.g. 'postgresql://egomem@localhost:5432/egomem')")
     need(m.worker_poll_s < m.job_lease_s,
          f"memory.worker_poll_s = {m.worker_poll_s} must be below memory.job_lease_s = {m.job_lease_s}")
+    need(m.orchestrator_heartbeat_s < m.orchestrator_live_s,
+         f"memory.orchestrator_heartbeat_s = {m.orchestrator_heartbeat_s} must be below memory.orchestrator_live_s = "
+         f"{m.orchestrator_live_s}, or a live orchestrator would look dead between two heartbeats")
+    need(m.forget_ack_poll_s < m.forget_prepare_timeout_s < m.forget_prepare_ttl_s,
+         f"memory.forget_ack_poll_s = {m.forget_ack_poll_s} < memory.forget_prepare_timeout_s = "
+         f"{m.forget_prepare_timeout_s} < memory.forget_prepare_ttl_s = {m.forget_prepare_ttl_s} must hold: "
+         "an announced forget must stay pending while its orchestrator waits for acknowledgements")
 
 
 def _get(cfg: Config, key: str) -> Any:

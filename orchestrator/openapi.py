@@ -20,7 +20,8 @@ ENDPOINTS: list[tuple[str, str, str, str | None]] = [
     ("get", "/api/users/{user_id}", "A user's profile and its rendered Level-1 text.", "admin"),
     ("patch", "/api/users/{user_id}", "Rename a user.", "admin"),
     ("delete", "/api/users/{user_id}", "Forget a user: keys, memories, relations, sessions, transcripts; "
-                                      "returns the receipt and a verification scan.", "admin"),
+                                      "returns the receipt, a verification scan and the orchestrators that did "
+                                      "not acknowledge its announcement.", "admin"),
     ("post", "/api/users/{user_id}/merge", "Merge another user into this one.", "admin"),
     ("get", "/api/users/{user_id}/facts", "Current facts and preferences (?history=1: also superseded ones).",
      "admin"),

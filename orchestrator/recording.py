@@ -1,11 +1,14 @@
 """Recording one stream for the memory manager: the 17-token stream, the user's raw audio, the text
 channels and the embeddings seen, cut into `StreamChunk`s every `orchestrator.chunk_steps` ticks and
-at stream end, each handed over with `egomem.memory.submit_chunk` (durable files, then the job)."""
+at stream end, each handed over with `egomem.memory.submit_chunk` (durable files, then the job).
+While a forget is announced and not yet done, every chunk is cut without the person in it (`redactor`:
+forgets.py `PendingForgets`), so nothing recorded between the announcement and the forget slips through."""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 import numpy as np
 
@@ -16,10 +19,15 @@ log = logging.getLogger(__name__)
 ZERO_TOKEN = -1  # moshi's "no token" id; the dialog model answers -2 while its acoustic delays warm up
 
 
+class ChunkRedactor(Protocol):
+    def redact_chunk(self, chunk: StreamChunk) -> dict[str, int]: ...
+
+
 class Recorder:
-    def __init__(self, stream_id: str, record_audio: bool):
+    def __init__(self, stream_id: str, record_audio: bool, redactor: ChunkRedactor | None = None):
         self.stream_id = stream_id
         self.record_audio = record_audio
+        self.redactor = redactor  # removes people about to be forgotten from each chunk cut
         self.chunk_index = 0
         self.step = 0  # ticks since the stream opened (all chunks)
         self._reset()
@@ -58,7 +66,8 @@ class Recorder:
         self.voices.append((max(self.step - self.first_step - 1, 0), vec))
 
     def cut(self) -> StreamChunk | None:
-        """The chunk recorded so far (None when empty); recording continues into the next one."""
+        """The chunk recorded so far (None when empty), without anyone about to be forgotten; recording
+        continues into the next one."""
         if not self.tokens:
             return None
         chunk = StreamChunk(
@@ -69,6 +78,8 @@ class Recorder:
             listen_audio=np.concatenate(self.audio) if self.audio else None,
         )
         assert chunk.listen_audio is None or chunk.listen_audio.shape[0] == chunk.steps * FRAME_SAMPLES
+        if self.redactor is not None:
+            self.redactor.redact_chunk(chunk)
         self.chunk_index += 1
         self._reset()
         return chunk

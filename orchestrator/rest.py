@@ -10,6 +10,8 @@ import asyncio
 import dataclasses
 import functools
 import json
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,10 +21,12 @@ from aiohttp import web
 from egomem.memory import StoreError
 from egomem.memory.types import Provenance
 
+from .forgets import await_acks, complete_here, prepare_here
 from .replicas import STREAM_MODELS
 from .services import SERVICES, Services
 from .validate import ID_PATTERN, INT64_MAX, Bool, Inputs, Int, Str, validated
 
+log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 ADMIN = Provenance(actor="admin_api", origin="manual")
 OPLOG_CAP = 10_000  # rows one /api/oplog page may return
@@ -148,27 +152,41 @@ async def merge_user(request: web.Request, v: Inputs) -> web.Response:
 async def forget_user(request: web.Request, v: Inputs) -> web.Response:
     """Forget: keys, memories, relations, sessions, transcripts, every name the user has had wherever
     others' memories (and queued memory chunks) mention it; live streams stop using the user at once
-    and reload others' (redacted) profiles. The check scans the cells and the database's raw bytes."""
+    and reload others' (redacted) profiles. The check scans the cells and the database's raw bytes.
+
+    Two phases (forgets.py): announced first, so every orchestrator sharing the store (this one too)
+    redacts its streams' recordings while the names and keys are still there and acknowledges; the
+    forget waits for the live ones' acknowledgements at most `memory.forget_prepare_timeout_s`, and
+    lists those that did not acknowledge (their recordings may still hold the person) in `unacknowledged`."""
     s = _s(request)
     user = await _user(request, v.path["user_id"])
-    from egomem.memory.chunk import redact_recording
-    from egomem.memory.redact import name_pattern
-
-    names = await _run(s.store.name_history, user.user_id)  # read before the forget deletes the history
-    keys = await _run(s.store.list_keys)  # theirs find their polls in the recordings not yet cut; others' protect
-    theirs, others = ({m: [k.vector for k in keys if (k.user_id == user.user_id) == mine and k.modality == m]
-                       for m in ("face", "voice")} for mine in (True, False))
-    distance = {"face": s.cfg.memory.forget_face_distance, "voice": s.cfg.memory.forget_voice_distance}
-    for stream in list(s.streams.values()):  # first, so no chunk cut while the forget runs holds them
-        redact_recording(stream.recorder, name_pattern(names), theirs, others, distance)  # on the loop, as it records
-    await s.handoffs_done()  # chunks cut before that reach the queue first, where the forget redacts them
-    receipt = await _run(s.store.forget_user, user.user_id, ADMIN, v.query["reason"])
+    m = s.cfg.memory
+    await _run(s.store.purge_coordination, m.forget_prepare_ttl_s, m.forget_prepare_ttl_s)  # dead forgetters' rows
+    request_id = await _run(s.store.announce_forget, user.user_id, ADMIN)
+    pending = await prepare_here(s, user.user_id, request_id)  # this process's streams, as the others do theirs
+    try:
+        waited = time.monotonic()
+        unacked = await await_acks(s, request_id)
+        waited = time.monotonic() - waited
+        if unacked:
+            log.warning("forget %s: %d orchestrator(s) did not acknowledge within memory.forget_prepare_timeout_s "
+                        "= %.1f s; what their streams recorded of the person and not yet cut may reach memory: %s",
+                        request_id, len(unacked), m.forget_prepare_timeout_s,
+                        ", ".join(f"{o.label} ({o.origin})" for o in unacked))
+        receipt = await _run(s.store.forget_user, user.user_id, ADMIN, v.query["reason"])
+        complete_here(s, request_id)  # once more: what the streams recorded while the others acknowledged
+    finally:
+        s.forgets.drop(request_id)  # the forget failed or was cancelled: stop redacting here (others: their TTL)
     if s.perception is not None:
         await _run(s.perception.forget)  # never waits behind a retrieval; the identifier's lock may be busy
     for stream in list(s.streams.values()):
         stream.forget_user(user.user_id)
-    leftovers = await _run(s.store.verify_forgotten, user.user_id, (), names)
-    return await _json({"receipt": receipt, "verified_leftovers": leftovers})
+    leftovers = await _run(s.store.verify_forgotten, user.user_id, (), pending.names)
+    now = time.time()
+    return await _json({
+        "receipt": receipt, "verified_leftovers": leftovers, "request_id": request_id, "ack_wait_s": round(waited, 3),
+        "unacknowledged": [{"origin": o.origin, "label": o.label, "heartbeat_age_s": round(now - o.heartbeat_at, 3)}
+                           for o in unacked]})
 
 
 # -- facts, relations ---------------------------------------------------------------------------------

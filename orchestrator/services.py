@@ -18,6 +18,7 @@ from aiohttp import web
 from egomem.config import Config
 from egomem.memory import MemoryStore
 
+from .forgets import PendingForgets
 from .metrics import Metrics
 from .perception import Perception
 from .recording import Recorder
@@ -51,10 +52,13 @@ class Services:
     streams: dict[str, OpenStream] = field(default_factory=dict)  # open chats by stream id (ws.py keeps it)
     # Recorded chunks cut and on their way into the job queue; a forget waits for them (`handoffs_done`).
     handoffs: set[asyncio.Future[None]] = field(default_factory=set)
+    # People about to be forgotten (forgets.py, the two-phase forget): every chunk a recorder cuts is redacted
+    forgets: PendingForgets = field(init=False)
     _no_streams: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._no_streams.set()
+        self.forgets = PendingForgets(self.cfg.memory)
 
     @property
     def free_slots(self) -> int:

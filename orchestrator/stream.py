@@ -72,7 +72,7 @@ class Stream:
         self.speak_pending: np.ndarray | None = None  # speak codes of the previous tick, decoded this tick
         self.input = StreamInput(self.oc, services.metrics)
         self.memchunk = MemChunk(self.cfg.dialog.l1_steps)
-        self.recorder = Recorder(stream_id, self.oc.record_audio)
+        self.recorder = Recorder(stream_id, self.oc.record_audio, services.forgets)
         self.queries = QueryDetector(services.perception, self.cfg, services.metrics, self.memchunk, send)
         self.poller: IdentityPoller | None = None
         if services.perception is not None and self.oc.identify_models:

@@ -15,6 +15,9 @@ calls `SQLBase._changed`, and a process follows the feed with `store.change_feed
 
 A forget's change names no one (like its op-log row): receivers ask the store which of their users
 are gone. A merge names (kept, dropped); a profile change the users whose profile changed.
+A `forget_prepare` (phase 1 of a two-phase forget, egomem/memory/sql/coordination.py) names the one
+user about to be forgotten, by id only, and carries the request id the other orchestrators acknowledge
+(`store.ack_forget`); on SQLite it is an op-log row that the forget then deletes with the user's others.
 """
 
 from __future__ import annotations
@@ -31,33 +34,36 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-ChangeKind = Literal["forget", "merge", "profile", "resync"]
+ChangeKind = Literal["forget_prepare", "forget", "merge", "profile", "resync"]
 CHANGE_CHANNEL = "egomem_changes"  # the PostgreSQL LISTEN/NOTIFY channel every process of one store uses
 RECONNECT_MAX_S = 30.0  # the LISTEN connection retries with doubling waits up to this
 # op-log ops that say a user was merged or forgotten; any other op with a user_id changed that user's memory,
 # except those that leave every copy as it was (a new user is in no stream yet)
-_OP_KINDS: dict[str, ChangeKind] = {"forget": "forget", "merge_users": "merge"}
+_OP_KINDS: dict[str, ChangeKind] = {"forget_prepare": "forget_prepare", "forget": "forget", "merge_users": "merge"}
 _OPS_NO_CHANGE = frozenset({"create_user"})
 
 
 @dataclass(frozen=True)
 class Change:
-    """One committed change. `user_ids`: forget (), merge (kept, dropped), profile (the users), resync ().
-    `ts`: wall-clock time on the writer just before its commit (propagation latency = receive time - ts,
-    across machines only as good as their clocks). `origin`: the writing store object's id."""
+    """One committed change. `user_ids`: forget_prepare (the user), forget (), merge (kept, dropped),
+    profile (the users), resync (). `ts`: wall-clock time on the writer just before its commit
+    (propagation latency = receive time - ts, across machines only as good as their clocks).
+    `origin`: the writing store object's id. `request`: a forget_prepare's request id (else "")."""
 
     kind: ChangeKind
     user_ids: tuple[str, ...] = ()
     ts: float = 0.0
     origin: str = ""
+    request: str = ""
 
     def payload(self) -> str:
-        return json.dumps({"k": self.kind, "u": list(self.user_ids), "t": self.ts, "o": self.origin})
+        return json.dumps({"k": self.kind, "u": list(self.user_ids), "t": self.ts, "o": self.origin,
+                           "r": self.request})
 
     @classmethod
     def parse(cls, payload: str) -> Change:
         d = json.loads(payload)
-        return cls(d["k"], tuple(d.get("u") or ()), float(d.get("t") or 0.0), d.get("o") or "")
+        return cls(d["k"], tuple(d.get("u") or ()), float(d.get("t") or 0.0), d.get("o") or "", d.get("r") or "")
 
 
 OnChange = Callable[[Change], None]
@@ -122,12 +128,17 @@ class OpLogChangeFeed(ChangeFeed):
 
 
 def changes_from_ops(rows: Sequence[Any]) -> list[Change]:
-    """Op-log rows -> changes (one per forget / merge; the other users touched, once each, as one profile change)."""
+    """Op-log rows -> changes (one per forget_prepare / forget / merge; the other users touched, once each,
+    as one profile change)."""
     out: list[Change] = []
     touched: dict[str, None] = {}
     for r in rows:
         kind = _OP_KINDS.get(r.op)
-        if kind == "forget":
+        if kind == "forget_prepare" and r.user_id:
+            detail = r.detail or {}
+            out.append(Change("forget_prepare", (r.user_id,), r.ts, str(detail.get("origin", "")),
+                              str(detail.get("request_id", ""))))
+        elif kind == "forget":
             out.append(Change("forget", (), r.ts))
         elif kind == "merge" and r.user_id and r.related_user_id:
             out.append(Change("merge", (r.user_id, r.related_user_id), r.ts))

@@ -11,7 +11,8 @@ queue (jobqueue.py `JobQueue`) and the LLM answer cache (llmcache.py `LLMCache`)
 `SQLiteMemoryStore` (egomem/memory/sqlite/, WAL, embedded default) and `PostgresMemoryStore`
 (egomem/memory/postgres/), both on the SQL of egomem/memory/sql/; they implement the abstract methods
 and storage only: `render_profile` / `neighbour_memories` are written once here on top of them, and
-the rules of a session commit once in commit.py. Errors: errors.py.
+the rules of a session commit once in commit.py. Errors: errors.py. The two-phase forget's registry
+of orchestrators and its announcements: egomem/memory/sql/coordination.py.
 All methods are thread-safe; several processes may open the same database.
 """
 
@@ -29,12 +30,14 @@ from egomem.memory.llmcache import LLMCache
 from egomem.memory.types import (
     UNKNOWN_USER,
     BiometricKey,
+    ForgetAnnouncement,
     ForgetReceipt,
     KeyChanges,
     MemoryItem,
     Modality,
     NeighbourMemory,
     OpLogEntry,
+    OrchestratorRecord,
     PersonaUpdate,
     PersonaValue,
     Polarity,
@@ -181,6 +184,30 @@ class MemoryStore(JobQueue, LLMCache):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    # ---- the two-phase forget across orchestrators (sql/coordination.py) ----
+    @abc.abstractmethod
+    def announce_forget(self, user_id: str, prov: Provenance = MANUAL) -> str:
+        """Phase 1: tell every orchestrator (change feed `forget_prepare`, naming the id only) that
+        `user_id` is about to be forgotten; returns the request id they acknowledge."""
+    @abc.abstractmethod
+    def forget_announcements(self, max_age_s: float) -> list[ForgetAnnouncement]:
+        """Announced forgets not yet carried out, at most `max_age_s` old."""
+    @abc.abstractmethod
+    def ack_forget(self, request_id: str, origin: str | None = None) -> bool:
+        """Orchestrator `origin` (default: this store object) has redacted its recordings for the request."""
+    @abc.abstractmethod
+    def forget_acks(self, request_id: str) -> set[str]: ...
+    @abc.abstractmethod
+    def heartbeat(self, label: str, origin: str | None = None) -> None:
+        """Register orchestrator `origin` (default: this store object) as live now."""
+    @abc.abstractmethod
+    def leave(self, origin: str | None = None) -> None: ...
+    @abc.abstractmethod
+    def live_orchestrators(self, max_age_s: float) -> list[OrchestratorRecord]: ...
+    @abc.abstractmethod
+    def purge_coordination(self, announcement_ttl_s: float, orchestrator_gone_s: float) -> None:
+        """Drop announcements of forgets never carried out, and orchestrators long silent."""
 
     # ---- the change feed (changes.py): what other processes changed ----
     origin: str = ""  # this store object's id on the feed (SQLBase sets one)

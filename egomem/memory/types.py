@@ -259,3 +259,25 @@ class ForgetReceipt:
     leftovers: list[str]  # '<table>.<column>' still matching the user's id / name / vectors
     wal_clean: bool = True  # False: a long reader kept old WAL frames alive; they go at the next checkpoint
     redacted: dict[str, int] = field(default_factory=dict)  # '<table>.<column>' -> rows of others that named them
+
+
+@dataclass(frozen=True)
+class ForgetAnnouncement:
+    """Phase 1 of a two-phase forget (memory/sql/coordination.py): `user_id` is about to be forgotten
+    through the orchestrator `origin`; the others acknowledge `request_id` once they have redacted."""
+
+    request_id: str
+    user_id: str
+    origin: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class OrchestratorRecord:
+    """An orchestrator sharing the store: `origin` (its store object's id), `label` (host:port, for
+    people), and its last heartbeat (live while recent: `memory.orchestrator_live_s`)."""
+
+    origin: str
+    label: str
+    started_at: float
+    heartbeat_at: float

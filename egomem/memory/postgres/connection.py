@@ -129,10 +129,10 @@ class Connections(SQLBase):
     def _lock_directory(self, c: PgConn) -> None:
         c.execute("SELECT pg_advisory_xact_lock(?)", (DIRECTORY_LOCK,))
 
-    def _changed(self, c: PgConn, kind: ChangeKind, user_ids: Sequence[str] = ()) -> None:
+    def _changed(self, c: PgConn, kind: ChangeKind, user_ids: Sequence[str] = (), request: str = "") -> None:
         # NOTIFY is transactional: delivered when this transaction commits, dropped when it rolls back
         c.execute("SELECT pg_notify(?, ?)", (CHANGE_CHANNEL, Change(kind, tuple(user_ids), time.time(),
-                                                                      self.origin).payload()))
+                                                                      self.origin, request).payload()))
 
     def change_feed(self, on_change: OnChange, poll_s: float = 0.5) -> ChangeFeed:
         """LISTEN on the change channel from a thread of its own (changes.py `PostgresChangeFeed`)."""

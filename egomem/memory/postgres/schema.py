@@ -1,8 +1,8 @@
 """The memory store's schema on PostgreSQL: tables, the schema version, and forward migrations.
 
-The same tables and columns as SQLite's (egomem/memory/sqlite/schema.py at its version 3; v2 adds its v4), typed
-for PostgreSQL: epoch seconds and scores DOUBLE PRECISION (PostgreSQL's REAL is 4 bytes), BYTEA
-vectors, an identity op_id. The op log is append-only by a trigger (PL/pgSQL) that refuses UPDATE
+The same tables and columns as SQLite's (egomem/memory/sqlite/schema.py at its version 3; v2 adds its
+v4, v3 its v6), typed for PostgreSQL: epoch seconds and scores DOUBLE PRECISION (PostgreSQL's REAL is
+4 bytes), BYTEA vectors, an identity op_id. The op log is append-only by a trigger (PL/pgSQL) that refuses UPDATE
 and DELETE, except that forget, holding `forget_guard` inside its transaction, may delete a
 person's rows and redact the free text (reason, detail) of others'; TRUNCATE is refused outright.
 Columns that can hold a person's words or vectors are stored uncompressed (STORAGE EXTERNAL), so the
@@ -203,6 +203,29 @@ CREATE INDEX biometric_keys_added ON biometric_keys(added_generation);
 INSERT INTO meta (name, value) SELECT 'keys_removed_generation', value FROM meta WHERE name = 'keys_generation';
 """
 
+# v3: the two-phase forget, as SQLite's v6 (egomem/memory/sqlite/schema.py says what each table holds).
+_V3 = """
+CREATE TABLE orchestrators (
+    origin       TEXT PRIMARY KEY,
+    label        TEXT NOT NULL,
+    started_at   DOUBLE PRECISION NOT NULL,
+    heartbeat_at DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE forget_prepares (
+    request_id TEXT PRIMARY KEY,
+    user_id    TEXT NOT NULL,
+    origin     TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX forget_prepares_user ON forget_prepares(user_id);
+CREATE TABLE forget_acks (
+    request_id TEXT NOT NULL,
+    origin     TEXT NOT NULL,
+    acked_at   DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (request_id, origin)
+);
+"""
+
 # version -> the script taking the database from version-1 to version.
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2}
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3}
 SCHEMA_VERSION = max(MIGRATIONS)

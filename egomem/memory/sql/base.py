@@ -85,7 +85,7 @@ class SQLBase:
     def _lock_everything(self, c: Conn) -> None:
         """Keep every other writer out until the transaction ends (forget redacts any user's rows)."""
 
-    def _changed(self, c: Conn, kind: ChangeKind, user_ids: Sequence[str] = ()) -> None:
+    def _changed(self, c: Conn, kind: ChangeKind, user_ids: Sequence[str] = (), request: str = "") -> None:
         """Announce a change on the change feed when this transaction commits (PostgreSQL: NOTIFY).
         SQLite does nothing here: its feed reads the op log (egomem/memory/changes.py)."""
 

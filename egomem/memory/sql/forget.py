@@ -1,6 +1,7 @@
 """Forget in a SQL store (both backends): delete a person, redact their names, prove it.
 
 `forget_user`, in one write transaction that keeps every other writer out: delete the person's rows;
+delete the two-phase forget's announcements of them (sql/coordination.py);
 redact every name they ever had (the current one, earlier names from PATCH / the op log's
 create_user and rename rows, and the names of users merged into them) wherever others' rows mention
 it (egomem/memory/redact.py); rewrite the chunk files of memory jobs not yet done so the person is
@@ -84,6 +85,10 @@ class Forget:
             delete("op_log", f"user_id IN ({m}) OR related_user_id IN ({m})", ids + ids)
             c.execute("DELETE FROM forget_guard")
             delete("users", f"user_id IN ({m})", ids)
+            # the two-phase forget's announcements of them (sql/coordination.py) and their acknowledgements
+            announced = [r[0] for r in c.execute(f"SELECT request_id FROM forget_prepares WHERE user_id IN ({m})",
+                                                 ids).fetchall()]
+            deleted["forget_prepares"] = self._drop_announcements(c, announced)
             for n in sorted(neighbours):  # people only this user mentioned: nothing else refers to them
                 if self._is_orphan(c, n):
                     c.execute("INSERT INTO forget_guard (active) VALUES (1)")

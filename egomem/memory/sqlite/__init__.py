@@ -5,11 +5,13 @@ forget.py      SQLite's half of forget: VACUUM + WAL truncation, redaction in SQ
 
 The rest is shared with the PostgreSQL backend (egomem/memory/sql/): the op log and row helpers
 (base.py), people.py, items.py, sessions.py (commit_session; its rules: memory/commit.py), forget.py,
-jobs.py (memory/jobqueue.py `JobQueue`), llm_cache.py (memory/llmcache.py `LLMCache`).
+coordination.py (the two-phase forget), jobs.py (memory/jobqueue.py `JobQueue`), llm_cache.py
+(memory/llmcache.py `LLMCache`).
 """
 
 from __future__ import annotations
 
+from egomem.memory.sql.coordination import ForgetCoordination
 from egomem.memory.sql.items import Items
 from egomem.memory.sql.jobs import Jobs
 from egomem.memory.sql.llm_cache import LLMAnswers
@@ -20,7 +22,8 @@ from egomem.memory.sqlite.forget import SQLiteForget
 from egomem.memory.store import MemoryStore
 
 
-class SQLiteMemoryStore(Sessions, SQLiteForget, People, Items, Jobs, LLMAnswers, Connections, MemoryStore):
+class SQLiteMemoryStore(Sessions, SQLiteForget, ForgetCoordination, People, Items, Jobs, LLMAnswers, Connections,
+                        MemoryStore):
     """`SQLiteMemoryStore(path, busy_timeout_s=30, synchronous='FULL', job_max_attempts=5, clock=time.time,
     forget_face_distance=0.30, forget_voice_distance=0.35)`: see connection.py for the arguments."""
 

@@ -224,6 +224,31 @@ WHEN NOT EXISTS (SELECT 1 FROM forget_guard)
 BEGIN SELECT RAISE(ABORT, 'op_log is append-only; only forget(user) may remove rows'); END;
 """
 
+# v6: the two-phase forget (egomem/memory/sql/coordination.py). `orchestrators`: the live orchestrators
+# (a heartbeat each); `forget_prepares`: forgets announced and not yet done (the user id, so forget deletes
+# the row); `forget_acks`: which orchestrator has redacted its recordings for which announcement (no user id).
+_V6 = """
+CREATE TABLE orchestrators (
+    origin       TEXT PRIMARY KEY,         -- the orchestrator's store object id (changes.py new_origin)
+    label        TEXT NOT NULL,            -- host:port, for the operator reading an unacknowledged forget
+    started_at   REAL NOT NULL,
+    heartbeat_at REAL NOT NULL
+);
+CREATE TABLE forget_prepares (
+    request_id TEXT PRIMARY KEY,
+    user_id    TEXT NOT NULL,
+    origin     TEXT NOT NULL,              -- the orchestrator that forgets
+    created_at REAL NOT NULL
+);
+CREATE INDEX forget_prepares_user ON forget_prepares(user_id);
+CREATE TABLE forget_acks (
+    request_id TEXT NOT NULL,
+    origin     TEXT NOT NULL,
+    acked_at   REAL NOT NULL,
+    PRIMARY KEY (request_id, origin)
+);
+"""
+
 # version -> statements taking the database from version-1 to version.
-MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4, 5: _V5}
+MIGRATIONS: dict[int, str] = {1: _V1, 2: _V2, 3: _V3, 4: _V4, 5: _V5, 6: _V6}
 SCHEMA_VERSION = max(MIGRATIONS)
