@@ -165,8 +165,10 @@ class Stream:
             for t in self._reloads:
                 t.cancel()
             await asyncio.gather(self.queries.close(), *self._reloads, return_exceptions=True)
-            await self._end_sequences()
-            self.s.replicas.unpin(self.replica)
+            try:
+                await self._end_sequences()
+            finally:
+                self.s.replicas.unpin(self.replica)  # even when cancelled: the count places new streams
             await asyncio.gather(*self._flushes, return_exceptions=True)
             await self.flush_memory()
 
