@@ -56,7 +56,13 @@ from egomem.trigger.model import END, IN_SESSION, NO_DIALOG, START
 
 STEP_S = 0.08
 TEXT_PAD = 3  # moshi's existing_text_padding_id
-CACHE_VERSION = 5  # 2: frame activity ("vad"); 3: 48/12 noise clips; 4: GE2E voice partials; 5: noise kinds, split
+CACHE_VERSION = 6  # 2: frame activity ("vad"); 3: 48/12 noise clips; 4: GE2E voice partials; 5: noise kinds, split;
+# 6: several noised copies of each training utterance, 144 training noise clips
+# Noised copies of each user utterance ("noisy", "noisy1", ...) and noise-only clips per split: a trigger
+# that saw each voice in one noise only learns that noise (held-out noised F1@5 0.19 vs 0.72 on training
+# voices); the held-out split keeps one of each, so its streams are the same as before.
+NOISY_VARIANTS = {"train": 4, "heldout": 1}
+NOISE_CLIPS = {"train": 144, "heldout": 12}
 VOICE_PARTIAL_STEPS = 20  # one GE2E partial utterance: 1.6 s
 VOICE_HOP_STEPS = 10  # a partial every 0.8 s (Resemblyzer's embed_utterance takes 1.3 per second)
 N_TRAIN_USERS = 200
@@ -75,7 +81,8 @@ def _steps(seconds: float) -> int:
 class CodeCache:
     """Mimi codes [T, 8] int16 of every source, one split. Noised variants align step-for-step."""
 
-    # per speaker: clean, noisy, vad, and voice_clean / voice_noisy: GE2E partials [P, 256] uint8
+    # per speaker: clean, noisy (+ noisy1.. in training), vad, and voice_clean / voice_noisy (of "noisy"):
+    # GE2E partials [P, 256] uint8
     # (partial p covers steps [p * VOICE_HOP_STEPS, + VOICE_PARTIAL_STEPS); unit vectors scaled to 255
     # per row: GE2E embeddings are non-negative (ReLU), and a row's scale is lost to normalisation anyway)
     users: list[dict[str, np.ndarray]] = field(default_factory=list)
@@ -103,7 +110,7 @@ class CodeCache:
     @classmethod
     def load(cls, path: Path) -> CodeCache:
         z = np.load(path)
-        if int(z["meta"][0]) != CACHE_VERSION:
+        if int(z["meta"][0]) not in (5, CACHE_VERSION):  # a version-5 cache is a 6 with one noised copy each
             raise ValueError(f"{path}: code cache version {int(z['meta'][0])}, expected {CACHE_VERSION}; rebuild it")
         c = cls(fingerprint=str(z["fingerprint"]), silence=z["silence"], split=str(z["split"]))
         users: dict[int, dict] = {}
@@ -198,6 +205,7 @@ def build_cache(data_root: Path, split: str, codec, seed: int, max_seconds: floa
     from egomem.trigger.codec import codec_fingerprint, encode
 
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+    variants_rng = np.random.default_rng([seed, 0 if split == "train" else 1, 2])  # leaves `rng`'s draws as they were
     users, assistant = source_files(data_root, split)
     cache = CodeCache(fingerprint=codec_fingerprint(codec), split=split)
     cap = None if max_seconds is None else int(max_seconds * 24_000)
@@ -215,6 +223,8 @@ def build_cache(data_root: Path, split: str, codec, seed: int, max_seconds: floa
             cache.assistant.append(entry)
         else:
             entry["voice_clean"], entry["voice_noisy"] = voice_partials(voice, x), voice_partials(voice, noisy)
+            for v in range(1, NOISY_VARIANTS[split]):
+                entry[f"noisy{v}"] = encode(codec, _noisy(variants_rng, x, babble))
             cache.users.append(entry)
     cache.silence = encode(codec, rng.standard_normal(24_000 * 4).astype(np.float32) * 1e-4)[8:]
     cache.noise = noise_clips(codec, split, seed, babble)
@@ -253,13 +263,13 @@ def noise_clips(codec, split: str, seed: int, babble: list[np.ndarray]) -> list[
     """Codes of background-noise clips (10 s each, every kind of `noise.KINDS` in turn, levels varied,
     own seeded stream; babble from `babble`, the split's own speech).
 
-    Many clips (48 train / 12 held out): with few, a trigger memorises the noise codes and takes
-    unseen noise for speech."""
+    Many clips (`NOISE_CLIPS`: 144 train / 12 held out): with few, a trigger memorises the noise codes
+    and takes unseen noise for speech."""
     from egomem.trigger.codec import encode
     from egomem.trigger.noise import KINDS, background
 
     rng = np.random.default_rng([seed, 0 if split == "train" else 1, 1])
-    n = 48 if split == "train" else 12
+    n = NOISE_CLIPS[split]
     return [encode(codec, background(rng, 24_000 * 10, babble, kind=KINDS[i % len(KINDS)])
                    * 10 ** rng.uniform(-2.5, -1.3)) for i in range(n)]
 
@@ -363,7 +373,6 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
     T = spec.steps
     u = lambda r: rng.uniform(*r)  # noqa: E731
     lines = monologue_lines(cache.split)
-    var = "noisy" if noised else "clean"
     listen_bg = _fill(rng, cache.noise[rng.integers(len(cache.noise))] if noised else cache.silence, T)
     listen = listen_bg.copy()
     user_mask = np.zeros(T, bool)  # where the user's own speech was written
@@ -403,7 +412,7 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
             break  # the session would not end inside the stream: stop here, rest is no dialog
         for i, (who, a, b, lo, hi, src) in enumerate(placed):
             if who == 0:
-                listen[a:b] = src[var][lo:hi]
+                listen[a:b] = _user_codes(rng, src, noised)[lo:hi]
                 user_mask[a:b] = True
                 speaker[a:b] = user
                 speaker_pos[a:b] = np.arange(lo, hi)
@@ -441,6 +450,15 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
             break
     tokens = np.concatenate([text[:, None], speak.astype(np.int64), listen.astype(np.int64)], axis=1)  # [T,17]
     return SynthStream(tokens, labels, sessions, session_users, speaker, speaker_pos, noised)
+
+
+def _user_codes(rng: np.random.Generator, src: dict[str, np.ndarray], noised: bool) -> np.ndarray:
+    """A user utterance's codes: clean, or one of its noised copies (a draw only when it has several)."""
+    if not noised:
+        return src["clean"]
+    n = sum(k.startswith("noisy") for k in src)
+    k = int(rng.integers(n)) if n > 1 else 0
+    return src["noisy" if k == 0 else f"noisy{k}"]
 
 
 def poll_voices(cache: CodeCache, stream: SynthStream, poll_steps: int = 25, window_steps: int = 38,
