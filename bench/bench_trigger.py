@@ -12,6 +12,8 @@ two users apart across a short pause (voice only). Segmenters per condition:
     s-norm threshold, and the shipped s-norm cohort minus the held-out users' own rows (a deployment's
     cohort never holds its users);
   - trigger+split_1poll: the same with `trigger.split_min_polls = 1` (one differing poll is a change);
+  - peer_trigger (with `--peer-checkpoint`): another trigger checkpoint alone, e.g. the one shipped before,
+    on the same streams in the same run;
   - activity_peer: a rule-based activity segmenter (a step is active when the text channel carries a
     word or a listen code differs from the stream's most common code row; runs of activity closer
     than 3 s are merged into one session) — what the trigger must beat.
@@ -86,6 +88,8 @@ def bench_split_rule() -> SplitRule:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", type=Path, default=None, help="trigger checkpoint (default: the shipped one)")
+    p.add_argument("--peer-checkpoint", type=Path, default=None,
+                   help="another trigger checkpoint to measure beside it (segmenter 'peer_trigger')")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="held-out code cache (.npz)")
     p.add_argument("--streams", type=int, default=200, help="held-out streams per condition")
     p.add_argument("--stream-steps", type=int, default=1024)
@@ -98,11 +102,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     labeler = TriggerLabeler(TriggerConfig(checkpoint=args.checkpoint, device=args.device))
+    peer = TriggerLabeler(TriggerConfig(checkpoint=args.peer_checkpoint, device=args.device)) \
+        if args.peer_checkpoint else None
     cache = CodeCache.load(args.cache)
     if cache.fingerprint != labeler.meta.get("codec_fingerprint"):
         print(f"WARNING: cache codec {cache.fingerprint} != checkpoint codec {labeler.meta.get('codec_fingerprint')}")
     spec = StreamSpec(steps=args.stream_steps)
     results: dict = {"checkpoint": str(labeler.checkpoint), "cache": str(args.cache), "device": args.device,
+                     "peer_checkpoint": str(peer.checkpoint) if peer else None,
                      "threads": torch.get_num_threads(), "streams_per_condition": args.streams,
                      "stream_steps": args.stream_steps, "metrics": {}}
     no_switch = StreamSpec(steps=args.stream_steps, switch_p=0.0)
@@ -114,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     for i, (cond, (cspec, noised)) in enumerate(conditions.items()):
         rng = np.random.default_rng([args.seed, i])
         out: dict[str, list] = {"trigger": [], "trigger+split": [], "trigger+split_1poll": [], "activity_peer": []}
+        if peer is not None:
+            out["peer_trigger"] = []
         golds, polls = [], 0
         for _ in range(args.streams):
             s = synth_recorded(cache, rng, cspec, noised=noised)  # draws what synth_stream draws: same streams
@@ -125,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
             out["trigger+split_1poll"].append(
                 [(p.start, p.end) for p in split_sessions(pred, s.tokens, [], voices, one_poll)])
             out["activity_peer"].append(activity_segmenter(s.tokens))
+            if peer is not None:
+                out["peer_trigger"].append(decode_sessions(peer.label(s.tokens)))
             golds.append(s.sessions)
         results["metrics"][cond] = {k: evaluate(v, golds) | {"errors@5": error_breakdown(v, golds, 5)}
                                     for k, v in out.items()}
