@@ -153,6 +153,9 @@ def main() -> None:
     p.add_argument("--window", type=int, default=192, help="dialog steps per row (bench_finetune's)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (fp32 with TF32 matmuls on CUDA)")
+    p.add_argument("--save", type=Path, default=None,
+                   help="write the trained LM here (Moshi safetensors: `egomem finetune --weights` starts from it)")
     p.add_argument("--out", type=Path, default=Path("runs/diag_memchunk_copy.jsonl"))
     a = p.parse_args()
     torch.manual_seed(0)
@@ -162,14 +165,17 @@ def main() -> None:
     held = [s for s in ho.samples if s.kind == "l1_response"]
     rng = random.Random(0)
     span = (a.span[0], a.span[1])
-    lm = build_lm("tiny", seed=0)
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    lm = build_lm("tiny", seed=0, device=device)
     lm.train()
     opt = torch.optim.AdamW(lm.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / WARMUP) * (
         0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(1, s / a.steps)))))
 
     def logits(items: list[tuple[Sample, np.ndarray]]):
-        b = make_batch(lm, TOK, items, N1, N2, a.window)
+        b = make_batch(lm, TOK, items, N1, N2, a.window).to(device)
         with no_compile():
             return b, forward(lm, b.chunks, b.stream)
 
@@ -248,6 +254,12 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
         log.write(json.dumps(rec) + "\n")
         log.flush()
+    if a.save is not None:
+        from safetensors.torch import save_file
+
+        a.save.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in lm.state_dict().items()}, str(a.save),
+                  metadata={"format": "moshi-lm", "preset": "tiny", "trained_by": "bench/diag_memchunk_copy.py"})
 
 
 if __name__ == "__main__":
