@@ -2,7 +2,8 @@
 benchmark's bar on held-out synthetic streams (held-out users and assistant utterances).
 
 Bar: `egomem.trigger.metrics.SHIPPED_BAR` (Jaccard and span_match F1@5 per condition), the same bar
-bench/bench_trigger.py reports on 200 streams per condition; here 24 clean + 24 noised streams.
+bench/bench_trigger.py reports on 200 streams per condition; here 48 clean + 48 noised streams (24 left
+F1@5 swinging by +-0.05 from one checkpoint to the next at equal 200-stream figures).
 """
 
 from pathlib import Path
@@ -45,11 +46,11 @@ def test_shipped_checkpoint_reaches_the_bar(labeler, cond):
     cache = CodeCache.load(CACHE)
     rng = np.random.default_rng([2024, int(cond == "noised")])
     preds, golds = [], []
-    for _ in range(24):
+    for _ in range(48):
         tokens, _, gold = synth_stream(cache, rng, StreamSpec(steps=1024), noised=(cond == "noised"))
         preds.append(decode_sessions(labeler.label(tokens)))
         golds.append(gold)
     m = evaluate(preds, golds)
-    assert m["gold_sessions"] >= 40
+    assert m["gold_sessions"] >= 80
     assert m["jaccard"] >= SHIPPED_BAR[cond]["jaccard"], m
     assert m["span_match@5"]["f1"] >= SHIPPED_BAR[cond]["f1@5"], m
