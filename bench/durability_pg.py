@@ -260,6 +260,7 @@ def say(line: str) -> None:
 
 
 def driver_acks(driver: RestDriver) -> int:
+    """REST facts acknowledged since each orchestrator's last (re)start (the progress line's figure)."""
     return sum(c.acked_since_start for c in driver.children)
 
 
@@ -326,7 +327,8 @@ def conduct(a: argparse.Namespace) -> dict[str, Any]:
             victim.kill()
             victim.kills += 1
             kills.append({"role": victim.role, "name": victim.name, "t": round(time.monotonic() - t_start, 2)})
-            say(f"kill {len(kills)}/{a.kills}: {victim.name} (acked: {driver_acks(driver)} REST facts so far)")
+            say(f"kill {len(kills)}/{a.kills}: {victim.name} ({driver_acks(driver)} REST facts acked since the "
+                "orchestrators last started)")
             (run_dir / f"{victim.name}.ready").unlink(missing_ok=True)
             victim.start(env, run_dir / f"{victim.name}.log")
         driver.stop.set()
