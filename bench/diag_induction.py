@@ -1,0 +1,237 @@
+"""Diagnostic for issue #13: how fast does a model learn to copy from its MemChunk, by content?
+
+The fine-tuned tiny model never reads a held-out name out of its Level-1 MemChunk
+(docs/training.md#what-the-tiny-model-reached): greeting a person recognised at any tick needs an
+induction-style lookup, and that did not form within the CPU budget. This script isolates that skill
+on cheap synthetic rows and trains, on identical data with the identical optimiser, either
+
+- `moshi`: the `tiny` preset's `LMModel` (the moshi classes the stack serves), fed as the engine feeds
+  it: `[chunk | dialog]`, the dialog's text row shifted by one tick; `--audio-rows` says what its 16
+  audio rows hold: `initial` (the audio initial token everywhere, as the engine's chunks: a constant
+  vector in the input sum), `noise` (the chunk's initial token, random codes in the dialog: speech), or
+  `zero` (moshi's zero token -1: embeds to exactly 0, so the input is the text embedding alone);
+  `--text-emb-std` and `--positions` each change one more thing, to find what sets it apart;
+- `vanilla`: a plain pre-norm `torch.nn.TransformerEncoder` of the same width, depth and heads with
+  learned absolute positions, on the text row alone (the textbook setting where induction heads form).
+
+A row: a chunk of `--chunk` tokens holding `name: <first> <last>` and random words, then a dialog of
+`--dialog` ticks whose text writes, at a random tick, either a span of the chunk (a reading drill,
+probability `--drill`) or the greeting `Hi <first> , good see`. Words are 1-3 tokens from a vocabulary
+of `--vocab` pieces, so the task is the textbook one (a name's pieces are unique in the chunk). The
+text loss covers the written tokens. Every `--eval-every` steps, 48 held-out greetings (other names)
+are scored teacher-forced: `held_exact` = every piece of the first name right, `held_first` = its
+first piece (found after `name:`), `held_rest` = the others (an induction step each).
+
+    python bench/diag_induction.py --model moshi --out bench/results/diag_induction_moshi.jsonl
+    python bench/diag_induction.py --model vanilla --out bench/results/diag_induction_vanilla.jsonl
+    python bench/diag_induction.py --plot bench/results/diag_induction_*.jsonl   # -> diag_induction.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PAD, SPECIALS = 3, 16  # Moshi's text pad; ids 4..15 are structure words
+NAME, PEOPLE, FACT, HI, COMMA, NL, GOOD, SEE = range(4, 12)
+HELD_SEED = 12345
+
+
+def make_row(r: random.Random, a: argparse.Namespace, greet_only: bool = False):
+    """(chunk ids [chunk], dialog text [dialog], supervised [dialog], first-name positions)."""
+    def word(n: int | None = None) -> list[int]:
+        return [SPECIALS + r.randrange(a.vocab) for _ in range(n or r.randint(1, 3))]
+
+    first, last = word(r.randint(2, 3)), word()
+    ids = [NAME] + first + last + [NL, PEOPLE]
+    while len(ids) < a.chunk - 8:
+        ids += word() + word() + [r.choice([NL, FACT, COMMA])]
+    ids = ids[:a.chunk]
+    chunk = ids + [PAD] * (a.chunk - len(ids))
+    text, sup = [PAD] * a.dialog, [False] * a.dialog
+    if not greet_only and r.random() < a.drill:
+        n = r.randint(6, min(30, a.dialog - 10))
+        s0 = r.randrange(len(ids) - n + 1)
+        written = ids[s0:s0 + n]
+    else:
+        written = [HI] + first + [COMMA, GOOD, SEE]
+    start = r.randint(1, a.dialog - len(written) - 1)
+    text[start:start + len(written)] = written
+    sup[start:start + len(written)] = [True] * len(written)
+    return chunk, text, sup, list(range(start + 1, start + 1 + len(first)))
+
+
+class Vanilla(nn.Module):
+    """The textbook peer: pre-norm transformer, learned absolute positions, text tokens only."""
+
+    def __init__(self, vocab: int, length: int, dim: int, layers: int, heads: int):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, 0.0, batch_first=True, norm_first=True)
+        self.tr = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        mask = torch.triu(torch.full((n, n), float("-inf")), 1)
+        return self.out(self.tr(self.emb(x) + self.pos.weight[:n], mask=mask, is_causal=True))
+
+
+def build(a: argparse.Namespace):
+    """(model, rows -> dialog text logits [B, dialog, V])."""
+    torch.manual_seed(a.seed)
+    V = SPECIALS + a.vocab
+    if a.model == "vanilla":
+        from egomem.dialog.presets import lm_kwargs
+
+        kw = lm_kwargs("tiny")
+        model = Vanilla(V, a.chunk + a.dialog, kw["dim"], kw["num_layers"], kw["num_heads"])
+
+        def logits(chunk: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+            x = torch.cat([chunk, torch.full_like(text[:, :1], 1), text[:, :-1]], 1)  # bos, then shifted text
+            return model(x)[:, a.chunk:]
+        return model, logits
+
+    from moshi.utils.compile import no_compile
+
+    from egomem.dialog.checkpoint import build_lm
+
+    lm = build_lm("tiny", seed=a.seed, text_card=V, positional_embedding=a.positions).train()
+    if a.text_emb_std is not None:  # moshi inits embeddings at 1/sqrt(dim); torch.nn.Embedding at 1
+        with torch.no_grad():
+            lm.text_emb.weight.normal_(0.0, a.text_emb_std)
+    K = lm.num_codebooks
+    text_initial = int(lm._get_initial_token()[0, 0, 0])
+
+    def logits(chunk: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        B = chunk.shape[0]
+        rows = torch.full((B, K, a.chunk + a.dialog), lm.initial_token_id, dtype=torch.long)
+        rows[:, 0, :a.chunk] = chunk
+        rows[:, 0, a.chunk] = text_initial
+        rows[:, 0, a.chunk + 1:] = text[:, :-1]
+        if a.audio_rows == "zero":
+            rows[:, 1:] = lm.zero_token_id
+        elif a.audio_rows == "noise":
+            g = torch.Generator().manual_seed(int(chunk.sum()))
+            rows[:, 1:, a.chunk:] = torch.randint(0, lm.card, (B, K - 1, a.dialog), generator=g)
+        with no_compile():
+            _, tl = lm.forward_text(rows)
+        return tl[:, 0, a.chunk:]
+    return lm, logits
+
+
+def tensors(rows):
+    return (torch.tensor([x[0] for x in rows]), torch.tensor([x[1] for x in rows]),
+            torch.tensor([x[2] for x in rows]), [x[3] for x in rows])
+
+
+def train(a: argparse.Namespace) -> None:
+    torch.set_num_threads(a.threads)
+    model, logits = build(a)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = 50  # then cosine to 10 % (egomem finetune's schedule)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / warmup) * (
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(1, s / a.steps)))))
+    r, held_r = random.Random(a.seed), random.Random(HELD_SEED)
+    held = [tensors([make_row(held_r, a, greet_only=True) for _ in range(16)]) for _ in range(3)]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with a.out.open("w") as out:
+        out.write(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}}) + "\n")
+        for step in range(1, a.steps + 1):
+            chunk, text, sup, _ = tensors([make_row(r, a) for _ in range(a.batch_size)])
+            loss = F.cross_entropy(logits(chunk, text)[sup], text[sup])
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            rec = {"step": step, "loss": round(loss.item(), 4), "t": round(time.time() - t0, 1)}
+            if step % a.eval_every == 0 or step == a.steps:
+                rec |= evaluate(model, logits, held)
+                print(json.dumps(rec), flush=True)
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, logits, held) -> dict[str, float]:
+    model.eval()
+    first = rest = rest_n = exact = n = 0
+    for chunk, text, _, positions in held:
+        pred = logits(chunk, text).argmax(-1)
+        for j, pos in enumerate(positions):
+            hit = [bool(pred[j, q] == text[j, q]) for q in pos]
+            first += hit[0]
+            rest += sum(hit[1:])
+            rest_n += len(hit) - 1
+            exact += all(hit)
+            n += 1
+    model.train()
+    return {"held_exact": exact / n, "held_first": first / n, "held_rest": rest / max(rest_n, 1)}
+
+
+def plot(paths: list[Path], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for p in paths:
+        recs = [json.loads(line) for line in p.read_text().splitlines()]
+        cfg = recs[0]["config"]
+        ev = [x for x in recs[1:] if "held_exact" in x]
+        label = cfg["model"] + (f", audio rows: {cfg.get('audio_rows', 'initial')}" if cfg["model"] == "moshi" else "")
+        if cfg.get("positions", "rope") != "rope":
+            label += f", {cfg['positions']} positions"
+        if cfg.get("text_emb_std", "None") != "None":
+            label += f", text emb std {cfg['text_emb_std']}"
+        ax.plot([x["step"] for x in ev], [x["held_rest"] for x in ev], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out name pieces copied (after the first)")
+    ax.set_title("copying out of the chunk: the tiny moshi LM vs a textbook transformer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=["moshi", "vanilla"], default="moshi")
+    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--vocab", type=int, default=1000, help="word pieces names and words are made of")
+    p.add_argument("--chunk", type=int, default=96, help="chunk tokens (the Level-1 MemChunk, shortened)")
+    p.add_argument("--dialog", type=int, default=48, help="dialog ticks")
+    p.add_argument("--drill", type=float, default=0.8, help="share of rows that read a span of the chunk")
+    p.add_argument("--audio-rows", choices=["initial", "noise", "zero"], default="initial",
+                   help="moshi: what the 16 audio rows hold (module docstring)")
+    p.add_argument("--text-emb-std", type=float, default=None,
+                   help="moshi: re-initialise the text embedding with this std (moshi's own: 1/sqrt(dim))")
+    p.add_argument("--positions", choices=["rope", "sin", "sin_rope"], default="rope",
+                   help="moshi: its positional embedding (the engine needs rope; sin = absolute, as the peer's)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("runs/diag_induction.jsonl"))
+    p.add_argument("--plot", type=Path, nargs="+", help="plot these JSONL runs to bench/results/diag_induction.png")
+    a = p.parse_args()
+    if a.plot:
+        plot(a.plot, Path("bench/results/diag_induction.png"))
+    else:
+        train(a)
+
+
+if __name__ == "__main__":
+    main()
