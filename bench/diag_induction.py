@@ -10,7 +10,7 @@ on cheap synthetic rows and trains, on identical data with the identical optimis
   audio rows hold: `initial` (the audio initial token everywhere, as the engine's chunks: a constant
   vector in the input sum), `noise` (the chunk's initial token, random codes in the dialog: speech), or
   `zero` (moshi's zero token -1: embeds to exactly 0, so the input is the text embedding alone);
-  `--text-emb-std`, `--positions` and `--override` each change one more thing, to find what sets it apart;
+  `--text-emb-std`, `--positions`, `--override` and `--torch-init` each change one more thing, to find what sets it apart;
 - `vanilla`: a plain pre-norm `torch.nn.TransformerEncoder` of the same width, depth and heads with
   learned absolute positions, on the text row alone (the textbook setting where induction heads form).
 
@@ -106,6 +106,10 @@ def build(a: argparse.Namespace):
 
     overrides = dict(kv.split("=", 1) for kv in a.override)
     lm = build_lm("tiny", seed=a.seed, text_card=V, positional_embedding=a.positions, **overrides).train()
+    if a.torch_init:  # moshi inits every linear at truncated-normal std 1/sqrt(dim_in); torch's default: uniform, std 1/sqrt(3 dim_in)
+        for m in lm.transformer.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
     if a.text_emb_std is not None:  # moshi inits embeddings at 1/sqrt(dim); torch.nn.Embedding at 1
         with torch.no_grad():
             lm.text_emb.weight.normal_(0.0, a.text_emb_std)
@@ -196,6 +200,8 @@ def plot(paths: list[Path], out: Path) -> None:
             label += f", {cfg['positions']} positions"
         if cfg.get("override", "[]") != "[]":
             label += f", {cfg['override']}"
+        if cfg.get("torch_init") == "True":
+            label += ", torch init"
         if cfg.get("text_emb_std", "None") != "None":
             label += f", text emb std {cfg['text_emb_std']}"
         ax.plot([x["step"] for x in ev], [x["held_rest"] for x in ev], label=label)
@@ -226,6 +232,8 @@ def main() -> None:
                    help="moshi: its positional embedding (the engine needs rope; sin = absolute, as the peer's)")
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
                    help="moshi: LMModel keyword overrides of the tiny preset (strings), e.g. norm=layer_norm gating=none")
+    p.add_argument("--torch-init", action="store_true",
+                   help="moshi: re-initialise the transformer's linear layers with torch's defaults")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
