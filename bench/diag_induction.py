@@ -10,16 +10,17 @@ on cheap synthetic rows and trains, on identical data with the identical optimis
   audio rows hold: `initial` (the audio initial token everywhere, as the engine's chunks: a constant
   vector in the input sum), `noise` (the chunk's initial token, random codes in the dialog: speech), or
   `zero` (moshi's zero token -1: embeds to exactly 0, so the input is the text embedding alone);
-  `--text-emb-std`, `--positions`, `--override` and `--torch-init` each change one more thing, to find what sets it apart;
+  `--text-emb-std`, `--positions`, `--override` and `--torch-init` each change one more thing, to find
+  what sets it apart;
 - `vanilla`: a plain pre-norm `torch.nn.TransformerEncoder` of the same width, depth and heads with
   learned absolute positions, on the text row alone (the textbook setting where induction heads form).
 
 A row: a chunk of `--chunk` tokens holding `name: <first> <last>` and random words, then a dialog of
 `--dialog` ticks whose text writes, at a random tick, either a span of the chunk (a reading drill,
 probability `--drill`) or the greeting `Hi <first> , good see`. Words are 1-3 tokens from a vocabulary
-of `--vocab` pieces, so the task is the textbook one (a name's pieces are unique in the chunk). The
-text loss covers the written tokens. Every `--eval-every` steps, 48 held-out greetings (other names)
-are scored teacher-forced: `held_exact` = every piece of the first name right, `held_first` = its
+of `--vocab` pieces, so the task is the textbook one (a name's pieces are almost always unique in the
+chunk). The text loss covers the written tokens. Every `--eval-every` steps, 48 held-out greetings
+(rows drawn from another seed) are scored teacher-forced: `held_exact` = every piece of the first name right, `held_first` = its
 first piece (found after `name:`), `held_rest` = the others (an induction step each).
 
     python bench/diag_induction.py --model moshi --out bench/results/diag_induction_moshi.jsonl
@@ -106,7 +107,8 @@ def build(a: argparse.Namespace):
 
     overrides = dict(kv.split("=", 1) for kv in a.override)
     lm = build_lm("tiny", seed=a.seed, text_card=V, positional_embedding=a.positions, **overrides).train()
-    if a.torch_init:  # moshi inits every linear at truncated-normal std 1/sqrt(dim_in); torch's default: uniform, std 1/sqrt(3 dim_in)
+    if a.torch_init:
+        # moshi inits every linear at truncated-normal std 1/sqrt(dim_in); torch's default is uniform, std 1/sqrt(3 dim_in)
         for m in lm.transformer.modules():
             if isinstance(m, nn.Linear):
                 m.reset_parameters()
@@ -133,7 +135,8 @@ def build(a: argparse.Namespace):
     return lm, logits
 
 
-def tensors(rows):
+def tensors(rows: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """make_row outputs stacked: chunks [B, chunk], texts [B, dialog], supervised [B, dialog], name positions."""
     return (torch.tensor([x[0] for x in rows]), torch.tensor([x[1] for x in rows]),
             torch.tensor([x[2] for x in rows]), [x[3] for x in rows])
 
@@ -142,7 +145,7 @@ def train(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     model, logits = build(a)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = 50  # then cosine to 10 % (egomem finetune's schedule)
+    warmup = 50  # steps; then cosine to 10 % of the lr (the shape of egomem finetune's schedule)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / warmup) * (
         0.1 + 0.45 * (1 + math.cos(math.pi * min(1, s / a.steps)))))
     r, held_r = random.Random(a.seed), random.Random(HELD_SEED)
