@@ -245,6 +245,25 @@ def copy_accuracy(model: nn.Module, logits, held) -> float:
     return round(hits / max(n, 1), 4)
 
 
+# (config key, its default, the label part when it differs): what a run changed, in the plot's legend
+LABEL_PARTS = [
+    ("core", "torch", "{} core"), ("no_bias", "False", "no bias"), ("out_norm", "False", "final norm"),
+    ("positions", "rope", "{} positions"), ("override", "[]", "{}"), ("smear", "0", "smear {}"),
+    ("lookahead", "0", "lookahead {}"), ("no_out_norm", "False", "no final norm"),
+    ("torch_init", "False", "torch init"), ("text_emb_std", "None", "text emb std {}"),
+    ("lead", "0", "name after up to {} words"), ("seed", "0", "seed {}"),
+]
+
+
+def run_label(cfg: dict[str, str]) -> str:
+    """The model, then every option a run set away from its default (older runs lack newer keys)."""
+    parts = [cfg["model"]]
+    if cfg["model"] == "moshi":
+        parts.append(f"audio rows: {cfg.get('audio_rows', 'initial')}")
+    parts += [fmt.format(cfg[key]) for key, default, fmt in LABEL_PARTS if cfg.get(key, default) != default]
+    return ", ".join(parts)
+
+
 def plot(paths: list[Path], out: Path) -> None:
     import matplotlib
 
@@ -258,28 +277,7 @@ def plot(paths: list[Path], out: Path) -> None:
         recs = [json.loads(line) for line in p.read_text().splitlines()]
         cfg = recs[0]["config"]
         ev = [x for x in recs[1:] if "held_exact" in x]
-        label = cfg["model"] + (f", {cfg['core']} core" if cfg.get("core", "torch") != "torch" else "")
-        label += ", no bias" if cfg.get("no_bias") == "True" else ""
-        label += ", final norm" if cfg.get("out_norm") == "True" else ""
-        label += (f", audio rows: {cfg.get('audio_rows', 'initial')}" if cfg["model"] == "moshi" else "")
-        if cfg.get("positions", "rope") != "rope":
-            label += f", {cfg['positions']} positions"
-        if cfg.get("override", "[]") != "[]":
-            label += f", {cfg['override']}"
-        if cfg.get("smear", "0") != "0":
-            label += f", smear {cfg['smear']}"
-        if cfg.get("lookahead", "0") != "0":
-            label += f", lookahead {cfg['lookahead']}"
-        if cfg.get("no_out_norm") == "True":
-            label += ", no final norm"
-        if cfg.get("torch_init") == "True":
-            label += ", torch init"
-        if cfg.get("text_emb_std", "None") != "None":
-            label += f", text emb std {cfg['text_emb_std']}"
-        if cfg.get("lead", "0") != "0":
-            label += f", name after up to {cfg['lead']} words"
-        if cfg.get("seed", "0") != "0":
-            label += f", seed {cfg['seed']}"
+        label = run_label(cfg)
         steps = [x["step"] for x in ev]
         if float(cfg["drill"]) < 1:  # greetings trained: the name lookup (by position or by content)
             greet_ax.plot(steps, [x["held_first"] for x in ev], label=label)
