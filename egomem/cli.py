@@ -115,14 +115,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from egomem.demo import main as demo_main
-    from egomem.serving.launcher import free_port
+    from egomem.serving.launcher import free_ports
 
     cfg = load_config(args.config)
     run_dir = Path(args.out) if args.out else cfg.server.run_dir / "demo"
     demo: dict = {"server": {"run_dir": run_dir}, "orchestrator": {"tokens_file": run_dir / "demo_tokens.json"}}
     if not args.keep_ports:
-        demo["server"].update(http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-        demo["orchestrator"]["port"] = free_port()
+        http, grpc, metrics, orchestrator = free_ports(4)
+        demo["server"].update(http_port=http, grpc_port=grpc, metrics_port=metrics)
+        demo["orchestrator"]["port"] = orchestrator
     cfg = with_overrides(cfg, demo, source="egomem demo")
     return demo_main(cfg, Path(args.data) if args.data else None, cfg.server.run_dir, args.seconds)
 

@@ -18,17 +18,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from egomem.config import Config, load_config, with_overrides
-from egomem.serving.launcher import TritonServer, free_port
+from egomem.serving.launcher import TritonServer, free_ports
 from tests.memory_helpers import StoreBackend
 
 DATA = Path(__file__).parent / "data"
 
 
 def test_config(run_dir: Path, **sections) -> Config:
-    """A default config on free ports with its run folder under `run_dir`; `sections` override keys,
-    e.g. test_config(p, mimi={"max_streams": 4}) (through `with_overrides`: checked and validated)."""
-    base = {"server": {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port(),
-                       "run_dir": run_dir},
+    """A default config on four distinct free ports (Triton's three, the orchestrator's) with its run
+    folder under `run_dir`; `sections` override keys, e.g. test_config(p, mimi={"max_streams": 4})
+    (through `with_overrides`: checked and validated)."""
+    http, grpc, metrics, orchestrator = free_ports(4)
+    base = {"server": {"http_port": http, "grpc_port": grpc, "metrics_port": metrics, "run_dir": run_dir},
+            "orchestrator": {"port": orchestrator},
             "memory": {"database": run_dir / "memory.sqlite3"}}
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}

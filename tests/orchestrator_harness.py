@@ -14,7 +14,6 @@ import numpy as np
 from aiohttp import web
 
 from egomem.config import Config
-from egomem.serving.launcher import free_port
 
 STREAM_TOKEN = "stream-token-0123456789abcdef"
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
@@ -22,11 +21,11 @@ FORGED_TOKEN = "forged-token-0123456789abcdef"
 
 
 def orchestrator_config(cfg: Config, run_dir: Path, grpc_url: str | None = None, **orch) -> Config:
-    """`cfg` (from conftest.test_config) with the orchestrator on a free port, tokens, and Triton at `grpc_url`."""
+    """`cfg` (from conftest.test_config, which put the orchestrator on a free port) with tokens, and Triton at
+    `grpc_url`."""
     if grpc_url:
         host, port = grpc_url.rsplit(":", 1)
         cfg.server.host, cfg.server.grpc_port = host, int(port)
-    cfg.orchestrator.port = free_port()
     tokens = run_dir / "tokens.json"
     tokens.write_text(json.dumps({STREAM_TOKEN: "stream", ADMIN_TOKEN: "admin"}))
     cfg.orchestrator.tokens_file = tokens

@@ -13,7 +13,7 @@ import pytest
 from egomem import protocol as P
 from egomem.client import ChatRefused, EgoMemClient, stream_audio
 from egomem.memory import open_store
-from egomem.serving.launcher import TritonServer, free_port
+from egomem.serving.launcher import TritonServer
 from egomem.stack import Stack
 from tests.conftest import test_config
 from tests.orchestrator_harness import run, tone
@@ -26,7 +26,7 @@ def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("orch_recovery")
     cfg = test_config(d, mimi={"max_streams": 4}, dialog={"max_streams": 4}, orchestrator={"max_streams": 4})
     oc = cfg.orchestrator
-    oc.port, oc.identify_models, oc.retrieval, oc.triton_timeout_s = free_port(), False, False, 3.0
+    oc.identify_models, oc.retrieval, oc.triton_timeout_s = False, False, 3.0
     cfg.memory.chunk_dir = d / "chunks"
     with Stack(cfg, models=MODELS, worker=False) as s:  # no worker: the test reads the queue itself
         yield s

@@ -32,7 +32,7 @@ from egomem.memory.chunk import StreamChunk, submit_chunk
 from egomem.memory.segment import spans_to_labels
 from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.memory.worker import build_manager, process_next_job
-from egomem.serving.launcher import LaunchError, free_port, process_start_time
+from egomem.serving.launcher import LaunchError, free_ports, process_start_time
 from egomem.stack import PID_FILE, Stack
 from tests.conftest import test_config
 from tests.orchestrator_harness import run, tone
@@ -147,7 +147,7 @@ def serve(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve_sup")
     cfg = test_config(d / "run", mimi={"max_streams": 2}, dialog={"max_streams": 2}, orchestrator={"max_streams": 2})
     oc = cfg.orchestrator
-    oc.port, oc.identify_models, oc.retrieval, oc.triton_timeout_s = free_port(), False, False, 3.0
+    oc.identify_models, oc.retrieval, oc.triton_timeout_s = False, False, 3.0
     cfg.memory.chunk_dir = d / "run" / "chunks"
     cfg.memory.extractor = "rules"
     cfg.server.restart_backoff_s = 0.5
@@ -255,7 +255,7 @@ def test_serve_parts_runs_an_orchestrator_alone_on_a_remote_triton(triton, tmp_p
     cfg = test_config(tmp_path / "run", mimi={"max_streams": 2}, dialog={"max_streams": 2},
                       orchestrator={"max_streams": 2})
     oc = cfg.orchestrator
-    oc.port, oc.identify_models, oc.retrieval = free_port(), False, False
+    oc.identify_models, oc.retrieval = False, False
     cfg.server.triton_urls = [triton.grpc_url]
     cfg.memory.chunk_dir = tmp_path / "run" / "chunks"
     path = tmp_path / "serve.toml"
@@ -411,3 +411,12 @@ def test_a_worker_whose_lease_was_taken_over_commits_nothing(tmp_path):
     assert (j.status, j.worker, j.attempts, j.error) == ("running", "thief", 2, None)  # untouched: the thief's
     assert store.list_sessions() == [] and store.list_users() == []  # the stale worker committed nothing
     store.close()
+
+
+def test_free_ports_are_distinct_and_free():
+    """A config's ports are taken in one call: distinct by construction, each one bindable afterwards."""
+    ports = free_ports(32)
+    assert len(set(ports)) == 32
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -16,6 +16,7 @@ server back on the same ports with the same models. Its log and run folder are o
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import importlib.util
 import logging
@@ -163,10 +164,19 @@ def port_owner(port: int) -> str | None:
     return "a process of another user"
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports: all n stay bound until every one is picked (ports taken one at a time
+    can repeat, since the OS may hand a just-released port out again)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """One free TCP port; take several with `free_ports(n)`, not with repeated calls."""
+    return free_ports(1)[0]
 
 
 class TritonServer:

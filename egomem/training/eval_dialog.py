@@ -143,7 +143,7 @@ def run_eval(args: Any) -> int:
     from egomem.dialog.checkpoint import CheckpointError
     from egomem.dialog.serving import build_engine
     from egomem.memory.llm import LLMNotConfigured
-    from egomem.serving.launcher import LaunchError, free_port
+    from egomem.serving.launcher import LaunchError, free_ports
 
     from .judge import JudgeError, make_judge
     from .memory_text import MemoryTexts
@@ -195,8 +195,9 @@ def run_eval(args: Any) -> int:
                     served = copy.deepcopy(cfg)  # the server's own slot pool: at least --batch slots
                     served.dialog = replace(cfg.dialog, weights=None if weights is None else Path(weights).resolve(),
                                             max_streams=max(args.batch, cfg.dialog.max_streams))
-                    served.server = replace(cfg.server, http_port=free_port(), grpc_port=free_port(),
-                                            metrics_port=free_port(), run_dir=args.out.parent.resolve() / "eval_triton")
+                    http, grpc, metrics = free_ports(3)
+                    served.server = replace(cfg.server, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                                            run_dir=args.out.parent.resolve() / "eval_triton")
                     validate(served, source="eval-dialog --served-fps")
                     fps["served"] = served_fps(served, l1_texts, l2_texts, args.batch, args.fps_ticks)
             results.append(entry)
