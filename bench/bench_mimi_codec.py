@@ -23,7 +23,7 @@ import torch
 from egomem.codec.mimi import FRAME_SAMPLES, MimiStreamPool, build_mimi
 from egomem.config import load_config, with_overrides
 from egomem.serving.client import AsyncTritonClient
-from egomem.serving.launcher import TritonServer, free_port
+from egomem.serving.launcher import TritonServer, free_ports
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "mimi_codec.json")
     args = ap.parse_args(argv)
 
+    http, grpc, metrics = free_ports(3)
     cfg = with_overrides(load_config(args.config), {
-        "server": {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port(),
+        "server": {"http_port": http, "grpc_port": grpc, "metrics_port": metrics,
                    "run_dir": Path(tempfile.mkdtemp(prefix="egomem-bench-"))},
         "mimi": {"max_streams": max(args.streams)},
         "orchestrator": {"max_streams": min(max(args.streams), load_config(args.config).orchestrator.max_streams)}},

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from egomem import protocol as P
 from egomem.client import EgoMemClient
 from egomem.config import load_config, with_overrides
-from egomem.serving.launcher import free_port
+from egomem.serving.launcher import free_ports
 from egomem.stack import Stack
 
 RESULTS = Path(__file__).parent / "results"
@@ -374,12 +374,13 @@ def main() -> None:
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench_orch_"))
     top = max(args.streams)
+    http, grpc, metrics, orchestrator_port = free_ports(4)
     cfg = with_overrides(load_config(env={}), {
-        "server": {"run_dir": run_dir, "http_port": free_port(), "grpc_port": free_port(),
-                   "metrics_port": free_port(), "device": args.device, "models": []},
+        "server": {"run_dir": run_dir, "http_port": http, "grpc_port": grpc,
+                   "metrics_port": metrics, "device": args.device, "models": []},
         "dialog": {"preset": args.preset, "max_streams": top},
         "mimi": {"preset": "full" if args.preset == "7b" else "tiny", "max_streams": top},
-        "orchestrator": {"max_streams": top, "port": free_port(), "identify_models": False, "retrieval": False,
+        "orchestrator": {"max_streams": top, "port": orchestrator_port, "identify_models": False, "retrieval": False,
                          "tick_clock": args.tick_clock,
                          "triton_timeout_s": 30.0},  # a saturated shared CPU answers slowly: measure it, don't fail it
         "memory": {"database": run_dir / "memory.sqlite3", "chunk_dir": run_dir / "chunks"}},
