@@ -54,6 +54,10 @@ def main() -> int:
     p.add_argument("--dialog-steps", type=int, default=192, help="longest dialog context per sample")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fresh-names", type=float, default=0.0, help="egomem finetune --fresh-names (drills.py)")
+    p.add_argument("--drills", type=float, default=0.0, help="egomem finetune --drills")
+    p.add_argument("--drill-random-l1", type=float, default=0.0, help="egomem finetune --drill-random-l1")
+    p.add_argument("--drill-span", type=int, nargs=2, default=(24, 120), help="egomem finetune --drill-span")
     p.add_argument("--served-fps", action="store_true", help="also time dialog_lm on a real tritonserver")
     args = p.parse_args()
     w = args.work
@@ -73,7 +77,10 @@ def main() -> int:
         times["finetune_s"] = egomem("finetune", "--data", str(train), "--out", str(run), "--steps", str(args.steps),
                                      "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed",
                                      str(args.seed), "--dialog-steps", str(args.dialog_steps), "--threads",
-                                     str(args.threads), "--eval-data", str(heldout), "--eval-every", "100", *resume)
+                                     str(args.threads), "--eval-data", str(heldout), "--eval-every", "100",
+                                     "--fresh-names", str(args.fresh_names), "--drills", str(args.drills),
+                                     "--drill-random-l1", str(args.drill_random_l1),
+                                     "--drill-span", *map(str, args.drill_span), *resume)
     eval_json = w / "eval_dialog.json"
     times["eval_dialog_s"] = egomem("eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"),
                                     "--name", "finetuned", "--peer-empty", "--peer", "before fine-tuning=random",

@@ -137,14 +137,14 @@ def build(a: argparse.Namespace):
     from egomem.dialog.checkpoint import build_lm
 
     overrides = dict(kv.split("=", 1) for kv in a.override)
-    lm = build_lm("tiny", seed=a.seed, text_card=V, positional_embedding=a.positions, **overrides).train()
+    # the tiny preset now drops moshi's final norm; these runs keep it unless --no-out-norm (as when they were made)
+    lm = build_lm("tiny", seed=a.seed, text_card=V, positional_embedding=a.positions, out_norm=not a.no_out_norm,
+                  **overrides).train()
     if a.torch_init:
         # moshi inits every linear at truncated-normal std 1/sqrt(dim_in); torch's default is uniform, std 1/sqrt(3 dim_in)
         for m in lm.transformer.modules():
             if isinstance(m, nn.Linear):
                 m.reset_parameters()
-    if a.no_out_norm:  # forward_text skips a falsy out_norm
-        lm.out_norm = None
     if a.text_emb_std is not None:  # moshi inits embeddings at 1/sqrt(dim); torch.nn.Embedding at 1
         with torch.no_grad():
             lm.text_emb.weight.normal_(0.0, a.text_emb_std)
@@ -251,7 +251,7 @@ LABEL_PARTS = [
     ("positions", "rope", "{} positions"), ("override", "[]", "{}"), ("smear", "0", "smear {}"),
     ("lookahead", "0", "lookahead {}"), ("no_out_norm", "False", "no final norm"),
     ("torch_init", "False", "torch init"), ("text_emb_std", "None", "text emb std {}"),
-    ("lead", "0", "name after up to {} words"), ("seed", "0", "seed {}"),
+    ("lead", "0", "name after up to {} words"), ("vocab", "1000", "{} pieces"), ("seed", "0", "seed {}"),
 ]
 
 

@@ -14,15 +14,18 @@ make reading the chunk the only way to lower the loss, and measures copying on h
 
 Every `--eval-every` steps, teacher-forced on held-out samples: `held_exact` (greeted names whose
 bytes after the first are all predicted), `held_byte` (those bytes' accuracy) and `held_recite`
-(byte accuracy of reading drills over held-out L1 texts, from the span's fourth byte). Record 0 holds
+(byte accuracy of reading drills over held-out L1 texts, from the span's fourth byte), `held_recite_random`
+(the same over random pseudo-word L1s: nothing but copying predicts them). Record 0 holds
 the n-gram baselines: what a byte n-gram model of the training L1 texts predicts of the held-out ones
 (reading without copying). One JSON record per step goes to --out; evaluation records are also printed.
 
     python bench/bench_finetune.py --train-levels 1,2 --work runs/bench_finetune_l12_tc   # the dataset
-    python bench/diag_memchunk_copy.py --steps 800 --recite 0.6 --lr 1.5e-3 --span 24 120 \
+    python bench/diag_memchunk_copy.py --out-norm --steps 800 --recite 0.6 --lr 1.5e-3 --span 24 120 \
         --out bench/results/diag_memchunk_copy_recite.jsonl
-    python bench/diag_memchunk_copy.py --steps 800 --recite 0.6 --random-l1 0.7 --lr 2e-3 --span 60 160 \
+    python bench/diag_memchunk_copy.py --out-norm --steps 800 --recite 0.6 --random-l1 0.7 --lr 2e-3 --span 60 160 \
         --out bench/results/diag_memchunk_copy_random.jsonl
+    (--out-norm: those runs were made when the tiny preset still had moshi's final norm; docs/training.md
+    lists the runs without it)
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import random
-import re
 import time
 from pathlib import Path
 
@@ -43,81 +45,12 @@ from egomem.dialog.checkpoint import build_lm
 from egomem.dialog.tokenizer import ByteTokenizer
 from egomem.training.batch import make_batch
 from egomem.training.dataset import Dataset
+from egomem.training.drills import DRILL_LEAD, random_l1, reading_drill, rename_people
 from egomem.training.forward import forward, masked_loss
-from egomem.training.types import Sample, Span
+from egomem.training.types import Sample
 
-N1, N2 = 512, 256  # the paper's MemChunk layout (docs/kv-cache.md)
-VOWELS, CONSONANTS = "aeiou", "bcdfghjklmnprstvwz"
 WARMUP = 30
 TOK = ByteTokenizer()
-
-
-def pseudo(n: int, r: random.Random) -> str:
-    """A capitalised pronounceable pseudo-word of n letters (consonant/vowel alternating)."""
-    s = "".join((CONSONANTS if i % 2 == 0 else VOWELS)[r.randrange(len(CONSONANTS if i % 2 == 0 else VOWELS))]
-                for i in range(n))
-    if r.random() < 0.5:
-        s = "".join((VOWELS if i % 2 == 0 else CONSONANTS)[r.randrange(len(VOWELS if i % 2 == 0 else CONSONANTS))]
-                    for i in range(n))
-    return s[0].upper() + s[1:]
-
-
-def name_words(l1: str) -> list[str]:
-    """The words of people's names in an L1 text (its `name:` and `people:` lines)."""
-    words: list[str] = []
-    for line in l1.splitlines():
-        if line.startswith("name: "):
-            words += line[6:].split()
-        elif line.startswith("people: "):
-            for part in line[8:].split(";"):
-                words += re.sub(r"\(.*?\)", "", part).split()
-    return [w for w in words if w[:1].isupper() and w.isalpha()]
-
-
-def fresh_names(s: Sample, tokens: np.ndarray, r: random.Random) -> tuple[Sample, np.ndarray]:
-    """Rename the row's people with same-length pseudo-names in L1 and on the text channel."""
-    ws = sorted(set(name_words(s.l1_text)), key=len, reverse=True)
-    if not ws:
-        return s, tokens
-    m = {w: pseudo(len(w), r) for w in ws}
-    l1 = re.compile(r"\b(" + "|".join(map(re.escape, ws)) + r")\b").sub(lambda x: m[x.group(0)], s.l1_text)
-    tokens = tokens.copy()
-    row = tokens[0].astype(np.int64)
-    raw = bytes(int(x - TOK.OFFSET) if x >= TOK.OFFSET else 0 for x in row)
-    pat = re.compile(rb"\b(" + b"|".join(re.escape(w.encode()) for w in ws) + rb")\b")
-    new = pat.sub(lambda x: m[x.group(0).decode()].encode(), raw)  # same length: positions unchanged
-    arr = np.frombuffer(new, dtype=np.uint8).astype(np.int64)
-    tokens[0] = np.where(row >= TOK.OFFSET, arr + TOK.OFFSET, row)
-    return dataclasses.replace(s, l1_text=l1), tokens
-
-
-def random_l1(r: random.Random) -> str:
-    """An L1 text of random pseudo-words in short lines (~330-380 bytes, like a profile)."""
-    lines: list[str] = []
-    while sum(len(x) + 1 for x in lines) < 330:
-        lines.append(" ".join(pseudo(r.randint(3, 9), r) if r.random() < 0.3 else pseudo(r.randint(2, 8), r).lower()
-                              for _ in range(r.randint(2, 6))))
-    return "\n".join(lines)[:380]
-
-
-def recite(s: Sample, t: np.ndarray, r: random.Random, span: tuple[int, int], window: int) -> tuple[Sample, np.ndarray]:
-    """A reading drill: the text channel writes a random span of the row's L1 text from a random tick
-    inside the trained window (8 pad steps before it supervised too); no speak loss."""
-    ids = TOK.encode(s.l1_text)
-    n = r.randint(span[0], min(span[1], len(ids)))
-    a0 = r.randrange(0, len(ids) - n + 1)
-    text = ids[a0:a0 + n]
-    end = max(x.end for x in s.text)
-    lo = max(0, end - window + 2)
-    T = t.shape[1]
-    n = min(n, T - 10)
-    text = text[:n]
-    hi = T - n - 1
-    start = r.randint(min(lo, hi), hi)
-    t = t.copy()
-    t[0, max(0, start - 40):start + n + 8] = TOK.pad_id
-    t[0, start:start + n] = text
-    return dataclasses.replace(s, text=(Span(max(0, start - 8), start + n),), speak=()), t
 
 
 def ngram_baseline(train: list[Sample], held: list[Sample], n: int) -> float:
@@ -149,8 +82,15 @@ def main() -> None:
     p.add_argument("--fresh-names", type=float, default=1.0)
     p.add_argument("--recite", type=float, default=0.0)
     p.add_argument("--random-l1", type=float, default=0.0)
+    p.add_argument("--drill-audio", choices=("keep", "constant"), default="keep",
+                   help="a drill row's 16 audio rows: the stream's speech codes, or code 0 everywhere (no speech in the input sum)")
     p.add_argument("--span", type=int, nargs=2, default=(24, 120), help="reading-drill span length range (bytes)")
     p.add_argument("--window", type=int, default=192, help="dialog steps per row (bench_finetune's)")
+    p.add_argument("--n1", type=int, default=512, help="L1 MemChunk steps (the paper's 512; shorter: drills on "
+                   "random words only, scored by held_recite_random)")
+    p.add_argument("--n2", type=int, default=256, help="L2 MemChunk steps (the paper's 256)")
+    p.add_argument("--out-norm", action="store_true",
+                   help="keep moshi's final norm (the tiny preset drops it since issue #13's induction diagnosis)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu | cuda (fp32 with TF32 matmuls on CUDA)")
@@ -158,6 +98,9 @@ def main() -> None:
                    help="write the trained LM here (Moshi safetensors: `egomem finetune --weights` starts from it)")
     p.add_argument("--out", type=Path, default=Path("runs/diag_memchunk_copy.jsonl"))
     a = p.parse_args()
+    full = a.n1 >= 512
+    if not full and (a.recite < 1 or a.random_l1 < 1):
+        p.error("a short L1 (--n1 < 512) holds no profile: use --recite 1 --random-l1 1")
     torch.manual_seed(0)
     torch.set_num_threads(a.threads)
     tr, ho = Dataset(a.data), Dataset(a.heldout)
@@ -168,14 +111,14 @@ def main() -> None:
     device = torch.device(a.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    lm = build_lm("tiny", seed=0, device=device)
+    lm = build_lm("tiny", seed=0, device=device, out_norm=a.out_norm)
     lm.train()
     opt = torch.optim.AdamW(lm.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / WARMUP) * (
         0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(1, s / a.steps)))))
 
     def logits(items: list[tuple[Sample, np.ndarray]]):
-        b = make_batch(lm, TOK, items, N1, N2, a.window).to(device)
+        b = make_batch(lm, TOK, items, a.n1, a.n2, a.window).to(device)
         with no_compile():
             return b, forward(lm, b.chunks, b.stream)
 
@@ -187,7 +130,7 @@ def main() -> None:
             items = []
             for s in samples[i:i + 4]:
                 t = source.tokens(s.stream)
-                items.append(fresh_names(s, t, rename) if rename is not None else (s, t))
+                items.append(rename_people(s, t, rename) if rename is not None else (s, t))
             b, out = logits(items)
             pred = out.text_logits.argmax(-1)
             for j, (s, _) in enumerate(items):
@@ -205,17 +148,18 @@ def main() -> None:
         return exact / max(total, 1), byte_ok / max(byte_n, 1), total
 
     @torch.no_grad()
-    def recite_eval(samples: list[Sample], source: Dataset, n: int = 32) -> float:
+    def recite_eval(samples: list[Sample], source: Dataset, n: int = 32, random_words: bool = False) -> float:
         lm.eval()
         ok = total = 0
         r = random.Random(5)
         for i in range(0, n, 4):
-            items = [recite(s, source.tokens(s.stream), r, span, a.window) for s in samples[i:i + 4]]
+            rows = [(dataclasses.replace(s, l1_text=random_l1(r, a.n1)) if random_words else s) for s in samples[i:i + 4]]
+            items = [reading_drill(s, source.tokens(s.stream), r, span, a.window) for s in rows]
             b, out = logits(items)
             pred = out.text_logits.argmax(-1)
             for j, (s, _) in enumerate(items):
-                st = s.text[0].start + 8 - b.crop_start[j]
-                for q in range(3, s.text[0].end - s.text[0].start - 8):
+                st = s.text[0].start + DRILL_LEAD - b.crop_start[j]
+                for q in range(3, s.text[0].end - s.text[0].start - DRILL_LEAD):
                     total += 1
                     ok += int(pred[j, st + q] == b.stream[j, 0, st + q])
         lm.train()
@@ -233,11 +177,14 @@ def main() -> None:
         for idx in order[(step - 1) * a.batch_size: step * a.batch_size]:
             s, t = train[idx], tr.tokens(train[idx].stream)
             if rng.random() < a.fresh_names:
-                s, t = fresh_names(s, t, rng)
+                s, t = rename_people(s, t, rng)
             if rng.random() < a.recite:
                 if rng.random() < a.random_l1:
-                    s = dataclasses.replace(s, l1_text=random_l1(rng))
-                s, t = recite(s, t, rng, span, a.window)
+                    s = dataclasses.replace(s, l1_text=random_l1(rng, a.n1))
+                s, t = reading_drill(s, t, rng, span, a.window)
+                if a.drill_audio == "constant":
+                    t = t.copy()
+                    t[1:] = 0
             items.append((s, t))
         b, out = logits(items)
         loss, parts = masked_loss(out, b.text_mask, b.speak_mask, lm.text_padding_token_id, 0.5, 100.0)
@@ -248,9 +195,11 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         rec = {"step": step, "loss": loss.item(), **parts, "t": round(time.time() - t0, 1)}
         if step % a.eval_every == 0:
-            rec["held_exact"], rec["held_byte"], rec["held_n"] = name_eval(held, ho)
-            rec["train_renamed_exact"], rec["train_renamed_byte"], _ = name_eval(train[:48], tr, random.Random(1))
-            rec["held_recite"] = recite_eval(held, ho)
+            if full:  # profiles fit only the paper's L1
+                rec["held_exact"], rec["held_byte"], rec["held_n"] = name_eval(held, ho)
+                rec["train_renamed_exact"], rec["train_renamed_byte"], _ = name_eval(train[:48], tr, random.Random(1))
+                rec["held_recite"] = recite_eval(held, ho)
+            rec["held_recite_random"] = recite_eval(held, ho, random_words=True)
             print(json.dumps(rec), flush=True)
         log.write(json.dumps(rec) + "\n")
         log.flush()

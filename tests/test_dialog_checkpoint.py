@@ -37,6 +37,25 @@ def test_safetensors_round_trip_and_fused_in_proj(tmp_path):
     assert not loaded.training and loaded.text_linear.weight.device.type == "cpu"
 
 
+def test_final_norm_follows_the_preset_and_the_checkpoint(tmp_path):
+    """tiny has no final norm, so its checkpoints carry no `out_norm.alpha`; a checkpoint that carries one
+    (a tiny model trained before the preset dropped it) loads with its norm; a preset that keeps the norm
+    (7b) refuses a checkpoint without it, naming the key."""
+    tiny = build_lm("tiny", seed=5, **TINY)
+    assert tiny.out_norm is None and not any(k.startswith("out_norm.") for k in tiny.state_dict())
+    normed = build_lm("tiny", seed=5, out_norm=True, **TINY)
+    with torch.no_grad():
+        normed.out_norm.alpha.mul_(3.0)  # not the init, so a load that dropped or re-initialised it would show
+    path, plain = tmp_path / "normed.safetensors", tmp_path / "plain.safetensors"
+    save_file(_state(normed), str(path))
+    save_file(_state(tiny), str(plain))
+    loaded = build_lm("tiny", weights=path, **TINY)
+    assert torch.equal(loaded.out_norm.alpha, normed.out_norm.alpha)
+    assert build_lm("tiny", weights=plain, **TINY).out_norm is None
+    with pytest.raises(CheckpointError, match=r"plain.safetensors.*missing keys: out_norm.alpha"):
+        build_lm("tiny", weights=plain, out_norm=True, **TINY)
+
+
 def test_missing_checkpoint_names_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="nowhere.safetensors.*never downloaded"):
         build_lm("tiny", weights=tmp_path / "nowhere.safetensors", **TINY)

@@ -381,17 +381,23 @@ def test_the_fixed_shape_tick_serves_what_the_narrow_tick_serves(lm):
 
 def test_an_fp8_kv_cache_keeps_the_logits_close(lm):
     """`kv_dtype=float8_e4m3fn` stores K/V in half the bytes of bf16 (a quarter of fp32); the logits stay
-    within 0.1 of their own standard deviation of the full-precision cache's (measured: 0.05-0.07 here)."""
+    within 0.1 of their own standard deviation of the full-precision cache's (measured: 0.05-0.08 here)."""
     codes = _codes(5, 12)
-    runs = []
+    runs, inputs = [], []
     for kv_dtype in (None, torch.float8_e4m3fn):
         eng = DialogEngine(lm, max_streams=2, l1_steps=16, l2_steps=8, ring_steps=6, kv_dtype=kv_dtype)
         a, b = eng.open(), eng.open()
         eng.write_memchunk(b, 1, [3, 4, 5, 6])
-        runs.append(torch.stack([eng.step([a, b], torch.stack([codes[t], codes[-t]]), return_logits=True)[2]
-                                 for t in range(12)]))
+        logits, fed = [], []
+        for t in range(12):
+            logits.append(eng.step([a, b], torch.stack([codes[t], codes[-t]]), return_logits=True)[2])
+            fed.append(eng.last_inputs.clone())
+        runs.append(torch.stack(logits))
+        inputs.append(torch.stack(fed))
         assert eng.cache.k.dtype == (kv_dtype or torch.float32)
     full, fp8 = runs
-    # the first ticks, before the two runs' own greedy tokens (fed back as input) can part ways
-    rel = torch.stack([(fp8[t] - full[t]).abs().max() / full[t].std() for t in range(5)])
+    # the ticks before the two runs' own greedy tokens (fed back as input) part ways
+    same = next((t for t in range(12) if not torch.equal(inputs[0][t], inputs[1][t])), 12)
+    assert same >= 3, same
+    rel = torch.stack([(fp8[t] - full[t]).abs().max() / full[t].std() for t in range(same)])
     assert (rel > 0).all() and (rel < 0.1).all(), rel  # fp8 differs (it is not silently fp32) but stays close

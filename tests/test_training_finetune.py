@@ -262,6 +262,20 @@ def test_resume_is_bit_exact(tmp_path):
     assert loss[0] == loss[1] and len(loss[0]) == 8 + 1  # 8 steps + the final evaluation
 
 
+def test_drills_change_the_rows_and_resume_bit_exactly(tmp_path):
+    """With fresh names and reading drills the run trains on other rows (other weights), and a resumed run
+    draws exactly the transforms an uninterrupted one did."""
+    data, mix = _data(), dict(fresh_names=1.0, drills=0.5, drill_random_l1=0.5, drill_span=(4, 8))
+    plain = load_file(str(finetune(_cfg(tmp_path, "plain", steps=4), data, progress=False)))
+    whole = load_file(str(finetune(_cfg(tmp_path, "whole", steps=4, **mix), data, progress=False)))
+    assert any(not torch.equal(plain[k], whole[k]) for k in plain)
+    finetune(_cfg(tmp_path, "part", steps=4, stop_after=2, **mix), data, progress=False)
+    resumed = load_file(str(finetune(_cfg(tmp_path, "part", steps=4, resume=True, **mix), data, progress=False)))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    with pytest.raises(ValueError, match=r"drills must be in \[0, 1\]"):
+        finetune(_cfg(tmp_path, "bad", drills=2.0), data, progress=False)
+
+
 def test_lora_trains_only_adapters_and_merges(tmp_path, lm):
     data = _data()
     res = train(_cfg(tmp_path, "lora", lora=True, lora_rank=4, lora_alpha=8.0, lr=1e-2, min_lr=1e-3, steps=6),

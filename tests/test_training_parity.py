@@ -120,6 +120,19 @@ def test_paper_chunk_sizes():
     _check_parity(lm, 512, 256, [(l1, l2), (l1, [])], [0, 2], T=12)
 
 
+def test_parity_with_the_final_norm_kept():
+    """The tiny preset drops moshi's final norm (presets.py); 7B keeps it. Both layouts match the training
+    forward, and the norm is really used: the same weights without it give other logits."""
+    normed = build_lm("tiny", seed=0, **(TINY | dict(out_norm=True)))
+    assert normed.out_norm is not None and build_lm("tiny", seed=0, **TINY).out_norm is None
+    _check_parity(normed, 12, 6, [SAMPLES["l1_l2"], SAMPLES["empty"]], [0, 3], T=12)
+    with torch.no_grad(), no_compile():
+        x = torch.randint(0, 32, (1, normed.num_codebooks, 8))
+        with_norm = normed.forward_text(x)[1]
+        normed.out_norm = None
+        assert not torch.allclose(with_norm, normed.forward_text(x)[1])
+
+
 def test_chunk_audio_token_is_part_of_the_layout(lm):
     """Both sides take the chunk audio token (docs/departures.md#d17-memchunk-layout-and-its-audio-token):
     the same override on both still matches; a different token on one side does not."""

@@ -25,14 +25,23 @@ def _first(keys: list[str], n: int = 5) -> str:
     return ", ".join(sorted(keys)[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
 
 
+def _without_out_norm(model: LMModel, keep: bool) -> LMModel:
+    """Drop moshi's final norm unless the preset keeps it (presets.py). moshi's `forward_text` skips a
+    falsy `out_norm`, and so does `DialogEngine`; a checkpoint of such a model has no `out_norm.alpha`."""
+    if not keep:
+        model.out_norm = None
+    return model
+
+
 def build_lm(preset: str = "tiny", weights: Path | None = None, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, seed: int = 1234, **overrides: Any) -> LMModel:
     """An eval-mode LMModel of `preset` shape, with weights from `weights` (safetensors) or seeded random."""
     kwargs = lm_kwargs(preset, **overrides)
+    keep_out_norm = kwargs.pop("out_norm")
     if weights is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return LMModel(device=device, dtype=dtype, **kwargs).eval()
+            return _without_out_norm(LMModel(device=device, dtype=dtype, **kwargs), keep_out_norm).eval()
     path = Path(weights)
     if not path.is_file():
         raise CheckpointError(f"dialog checkpoint {path} does not exist: set dialog.weights to a local Moshi "
@@ -43,7 +52,9 @@ def build_lm(preset: str = "tiny", weights: Path | None = None, device: str | to
         state = load_file(str(path), device=str(device))
     except Exception as e:  # safetensors raises its own SafetensorError (a bare Exception subclass)
         raise CheckpointError(f"dialog checkpoint {path} is not a readable safetensors file: {e}") from e
-    model = LMModel(device="meta", dtype=dtype, **kwargs)
+    # a checkpoint that carries the final norm keeps it (tiny models trained before the preset dropped it)
+    keep_out_norm = keep_out_norm or "out_norm.alpha" in state
+    model = _without_out_norm(LMModel(device="meta", dtype=dtype, **kwargs), keep_out_norm)
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     # moshi's load hook renames fused `in_proj_weight` keys; apply it before comparing

@@ -339,7 +339,7 @@ class DialogEngine:
             attn = self.cache.append_and_attend(li, meta, q, k, v[:, :, 0], self.max_period, self.interleave,
                                                 exec_mask)
             x = self._finish_layer(layer, x, attn.reshape(B, 1, -1))  # attn [B, H, D] -> [B, 1, C]
-        out = lm.out_norm(x)  # [B, 1, C]
+        out = lm.out_norm(x) if lm.out_norm else x  # [B, 1, C]; the tiny preset has no final norm (presets.py)
         text_logits = lm.text_linear(out)[:, None]  # [B, 1, 1, text_card]
         text = self._sample(text_logits, self.top_k_text)[:, 0, 0]  # [B]
         audio = self._depformer(text, out)  # [B, dep_q]

@@ -3,6 +3,13 @@
 `7b` is Moshi-7B's architecture (moshi.models.loaders._lm_kwargs); `tiny` keeps the same classes and
 token layout (17 streams, Mimi's 2048-entry codebooks, Moshi's delays) at a size that steps in real
 time on a 2-core CPU; its text vocabulary is the byte-level tokenizer's (`ByteTokenizer`, 260 ids).
+
+`out_norm` is not an `LMModel` argument but EgoMem's: whether the model keeps moshi's final norm
+(`LMModel.out_norm`, between the last layer and the text head / depformer). `build_lm` drops it when
+False. The tiny preset has none: trained from scratch, a final norm kept both the tiny moshi model and a
+textbook transformer from learning to copy a span out of their context by content (induction heads)
+within thousands of steps, and without it both learn it (docs/training.md, "The skill itself,
+isolated"). Moshi-7B's checkpoints carry the norm, so `7b` keeps it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ _COMMON: dict[str, Any] = {
     "depformer_layer_scale": None,
     "delays": MOSHI_DELAYS,
     "existing_text_padding_id": 3,
+    "out_norm": True,  # EgoMem's key (module docstring): keep LMModel.out_norm
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -42,12 +50,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "context": 3000,  # as 7B: 768 chunk steps + a 2232-step dialog ring
         "depformer_dim": 128, "depformer_dim_feedforward": int(4.125 * 128),
         "depformer_num_heads": 2, "depformer_num_layers": 2, "depformer_context": 8,
+        "out_norm": False,  # lets the from-scratch model learn to copy from its MemChunks (module docstring)
     },
 }
 
 
 def lm_kwargs(preset: str, **overrides: Any) -> dict[str, Any]:
-    """The `LMModel(**kwargs)` of a preset, with overrides applied (tests shrink `tiny` further)."""
+    """The `LMModel(**kwargs)` of a preset plus EgoMem's `out_norm` key, with overrides applied (tests shrink
+    `tiny` further). `build_lm` is what turns these into a model."""
     if preset not in PRESETS:
         raise ValueError(f"unknown dialog preset {preset!r}; choose one of {sorted(PRESETS)}")
     return dict(PRESETS[preset]) | overrides

@@ -6,7 +6,9 @@ sample's masks with text pad down-weighted (0.5) and the first codebook weighted
 weights and optimiser state when the model runs in bf16, LoRA as an option. The schedule is linear warmup
 then cosine decay to `min_lr` (the issue: "cosine LR schedule as §4.2"; docs do not give §4.2's numbers,
 so warmup defaults to moshi-finetune's 5 % of the steps). One forward = `egomem.training.forward.forward`
-over `[L1 | L2 | dialog]`, proven equal to the serving engine (tests/test_training_parity.py).
+over `[L1 | L2 | dialog]`, proven equal to the serving engine (tests/test_training_parity.py). With
+`--fresh-names` / `--drills` rows are transformed on the fly so that reading the MemChunk is the only way
+to lower their loss (egomem/training/drills.py).
 
 Files under `out/`: `lm.safetensors` (a plain LMModel state dict, LoRA merged: what `dialog.weights` and
 `build_lm(weights=...)` load), `model_card.json`, `loss.jsonl` (one record per step and per evaluation),
@@ -38,6 +40,7 @@ from egomem.dialog.checkpoint import DTYPES, CheckpointError, build_lm
 from egomem.dialog.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 
 from .batch import SampleError, SampleOrder, make_batch, validate_samples
+from .drills import DrillMix, check_tokenizer
 from .forward import forward, masked_loss
 from .lora import LoraScope, apply_lora, merged_state_dict
 from .types import Sample, to_json
@@ -80,6 +83,10 @@ class TrainConfig:
     eval_every: int = 0  # steps between evaluations of the masked loss; 0 = only at the end
     eval_data: Path | None = None  # a held-out dataset folder; None = a fixed subset of the training samples
     eval_samples: int = 16
+    fresh_names: float = 0.0  # per row: rename its people with pseudo-names (drills.py; byte tokenizer)
+    drills: float = 0.0  # per row: make it a reading drill (writes a span of its L1 text)
+    drill_random_l1: float = 0.0  # per drill: read random pseudo-words instead of the profile
+    drill_span: tuple[int, int] = (24, 120)  # drill length in bytes
     ckpt_every: int = 100  # steps between resumable checkpoints (also written when a run stops)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     resume: bool = False  # continue the run in out/ckpt (refused otherwise when one exists)
@@ -150,8 +157,13 @@ def _check_config(cfg: TrainConfig) -> None:
         bad.append(f"warmup must be in [0, steps] (got {cfg.warmup})")
     if cfg.stop_after is not None and cfg.stop_after <= 0:
         bad.append(f"stop_after must be positive (got {cfg.stop_after})")
+    bad += drill_mix(cfg).check()
     if bad:
         raise ValueError("bad fine-tuning config: " + "; ".join(bad))
+
+
+def drill_mix(cfg: TrainConfig) -> DrillMix:
+    return DrillMix(cfg.fresh_names, cfg.drills, cfg.drill_random_l1, tuple(cfg.drill_span))
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -240,6 +252,9 @@ class _Trainer:
             raise ValueError(f"the model's context ({lm.context}) minus the MemChunks ({self.n1} + {self.n2}) leaves "
                              f"{ring} dialog steps; dialog_steps={cfg.dialog_steps} does not fit")
         validate_samples(data.samples, self.tokenizer, self.n1, self.n2)
+        self.drills = drill_mix(cfg)
+        if self.drills.active:
+            check_tokenizer(self.tokenizer)
         if cfg.lora:
             apply_lora(lm, cfg.lora_rank, cfg.lora_alpha, cfg.seed, cfg.lora_scope)
         else:
@@ -298,8 +313,14 @@ class _Trainer:
         _set_rng_state(state["rng"])
         self.step = state["step"]
 
-    def _loss(self, samples: list[Sample], source: DataSource) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, samples: list[Sample], source: DataSource, drills: bool = False
+              ) -> tuple[torch.Tensor, dict[str, float]]:
         items = [(s, source.tokens(s.stream)) for s in samples]
+        if drills and self.drills.active:
+            # one generator per (seed, step, row): a resumed run draws what an uninterrupted one would
+            items = [self.drills.apply(s, t, random.Random(f"{self.cfg.seed}/{self.step}/{i}"), self.window,
+                                       self.n1)
+                     for i, (s, t) in enumerate(items)]
         batch = make_batch(self.lm, self.tokenizer, items, self.n1, self.n2, self.window).to(self.device)
         with no_compile():
             out = forward(self.lm, batch.chunks, batch.stream)
@@ -310,7 +331,7 @@ class _Trainer:
         """One optimiser step on the next batch of the sample order."""
         samples = [self.data.samples[i] for i in self.order.take(self.cfg.batch_size)]
         lr = self.sched.get_last_lr()[0]
-        loss, parts = self._loss(samples, self.data)
+        loss, parts = self._loss(samples, self.data, drills=True)
         loss.backward()
         if self.mixed:
             for m, p in zip(self.masters, self.params):
@@ -465,6 +486,14 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
         default = getattr(d, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=helps.get(name))
     p.add_argument("--warmup", type=int, help="warmup steps (default: 5%% of --steps)")
+    p.add_argument("--fresh-names", type=float, default=d.fresh_names,
+                   help="share of rows whose people get new pseudo-names, so names must be read from L1 (byte tokenizer)")
+    p.add_argument("--drills", type=float, default=d.drills,
+                   help="share of rows turned into reading drills (the text channel copies a span of L1)")
+    p.add_argument("--drill-random-l1", type=float, default=d.drill_random_l1,
+                   help="share of drills that read random pseudo-words instead of the profile")
+    p.add_argument("--drill-span", type=int, nargs=2, default=d.drill_span, metavar=("MIN", "MAX"),
+                   help="drill length in bytes")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters only (merged into lm.safetensors)")
     p.add_argument("--lora-scope", choices=["transformers", "all"], default=d.lora_scope)
     p.add_argument("--gradient-checkpointing", action="store_true")
@@ -483,6 +512,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
     dialog = load_config(getattr(args, "config", None)).dialog
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    given["drill_span"] = tuple(args.drill_span)  # as TrainConfig's default, so a resume compares equal
     given["preset"] = args.preset or dialog.preset
     given["init_weights"] = args.init_weights if args.init_weights is not None else dialog.weights
     return TrainConfig(**given)
