@@ -54,6 +54,8 @@ def main() -> int:
     p.add_argument("--dialog-steps", type=int, default=192, help="longest dialog context per sample")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--init-weights", type=Path, help="egomem finetune --weights: start from this backbone (then the "
+                   "'before fine-tuning' peer is it, not the random init)")
     p.add_argument("--fresh-names", type=float, default=0.0, help="egomem finetune --fresh-names (drills.py)")
     p.add_argument("--drills", type=float, default=0.0, help="egomem finetune --drills")
     p.add_argument("--drill-random-l1", type=float, default=0.0, help="egomem finetune --drill-random-l1")
@@ -80,10 +82,11 @@ def main() -> int:
                                      str(args.threads), "--eval-data", str(heldout), "--eval-every", "100",
                                      "--fresh-names", str(args.fresh_names), "--drills", str(args.drills),
                                      "--drill-random-l1", str(args.drill_random_l1),
-                                     "--drill-span", *map(str, args.drill_span), *resume)
+                                     "--drill-span", *map(str, args.drill_span), *resume,
+                                     *(["--weights", str(args.init_weights)] if args.init_weights else []))
     eval_json = w / "eval_dialog.json"
     times["eval_dialog_s"] = egomem("eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"),
-                                    "--name", "finetuned", "--peer-empty", "--peer", "before fine-tuning=random",
+                                    "--name", "finetuned", "--peer-empty", "--peer", f"before fine-tuning={args.init_weights or 'random'}",
                                     "--judge", "rules", "--out", str(eval_json), "--seed", str(args.seed),
                                     *(["--served-fps"] if args.served_fps else []))
     card = json.loads((run / "model_card.json").read_text())

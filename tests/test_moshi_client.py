@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import sys
 import threading
@@ -54,15 +55,26 @@ class _VirtualStream:
         self._thread.start()
         return self
 
+    def stop(self) -> None:
+        """Unplug: no more callbacks (the thread ends at its next tick)."""
+        self._stop.set()
+
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
 
 
 def virtual_sound_card(mic: np.ndarray, played: list) -> types.ModuleType:
+    """A `sounddevice` module whose streams are _VirtualStreams; `mod.streams` lists those it made."""
     mod = types.ModuleType("sounddevice")
-    mod.InputStream = lambda **kw: _VirtualStream(source=mic, sink=played, **kw)
-    mod.OutputStream = lambda **kw: _VirtualStream(source=None, sink=played, **kw)
+    mod.streams = []
+
+    def make(source: np.ndarray | None, **kw) -> _VirtualStream:
+        mod.streams.append(_VirtualStream(source=source, sink=played, **kw))
+        return mod.streams[-1]
+
+    mod.InputStream = lambda **kw: make(mic, **kw)
+    mod.OutputStream = lambda **kw: make(None, **kw)
     return mod
 
 
@@ -75,7 +87,8 @@ def orch(triton, tmp_path):
 
 def test_moshi_client_unchanged_hears_the_model_and_is_heard(orch, monkeypatch, capsys):
     played: list[np.ndarray] = []
-    monkeypatch.setitem(sys.modules, "sounddevice", virtual_sound_card(tone(30.0), played))
+    card = virtual_sound_card(tone(30.0), played)
+    monkeypatch.setitem(sys.modules, "sounddevice", card)
     monkeypatch.delitem(sys.modules, "moshi.client", raising=False)
     from moshi import client as moshi_client
     from moshi.client_utils import RawPrinter
@@ -86,10 +99,21 @@ def test_moshi_client_unchanged_hears_the_model_and_is_heard(orch, monkeypatch, 
     args = argparse.Namespace(host="127.0.0.1", port=orch.cfg.orchestrator.port, https=False, url=None)
 
     async def talk(seconds: float) -> None:
-        try:
-            await asyncio.wait_for(moshi_client.run(RawPrinter(out, err), args), seconds)
-        except TimeoutError:
-            pass  # moshi's client talks until interrupted
+        """moshi's client talks until interrupted: after `seconds` the card is unplugged first, so that no
+        microphone send is still in flight when the client is cancelled and closes its socket (that send
+        would fail with 'Cannot write to closing transport' and print 'Lost connection': the test's own
+        teardown, not the server)."""
+        client = asyncio.ensure_future(moshi_client.run(RawPrinter(out, err), args))
+        done, _ = await asyncio.wait({client}, timeout=seconds)
+        if client in done:  # it ended by itself (a lost connection is in `err`)
+            client.result()
+            return
+        for stream in card.streams:
+            stream.stop()
+        await asyncio.sleep(0.5)  # the sends already scheduled run while the socket is open
+        client.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await client
 
     asyncio.run(talk(8.0))
     ticks = m.get("egomem_tick_seconds") - ticks0
