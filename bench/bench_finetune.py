@@ -14,6 +14,9 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
     python bench/bench_finetune.py --steps 20 --train-households 10 --heldout-households 2   # a smoke run
     python bench/bench_finetune.py --train-levels 1,2 --work runs/bench_finetune_l12 \
         --out bench/results/bench_finetune_l12.json                                   # Level 1 + Level 2
+    python bench/bench_finetune.py --fresh-names 1 --drills 0.5 --drill-random-l1 0.5 \
+        --work runs/bench_finetune_drills --out bench/results/bench_finetune_drills.json  # reading drills
+    (--init-weights PATH starts the fine-tune from a backbone; the 'before fine-tuning' peer is then it)
 
 Writes bench/results/bench_finetune.json (+ .png: the loss curve and Fact Score per model) and keeps the
 datasets and the run folder under --work (delete it to start again; an existing run is resumed).

@@ -163,6 +163,7 @@ def _check_config(cfg: TrainConfig) -> None:
 
 
 def drill_mix(cfg: TrainConfig) -> DrillMix:
+    """The run's fresh-name / reading-drill transforms (drills.py)."""
     return DrillMix(cfg.fresh_names, cfg.drills, cfg.drill_random_l1, tuple(cfg.drill_span))
 
 
