@@ -53,6 +53,14 @@ WARMUP = 30
 TOK = ByteTokenizer()
 
 
+def random_letters(r: random.Random, n: int) -> str:
+    """n bytes of uniformly random lowercase letters in 3-7 letter words (`--random-text letters`)."""
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < n:
+        words.append("".join(r.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(3, 7))))
+    return " ".join(words)[:n]
+
+
 def ngram_baseline(train: list[Sample], held: list[Sample], n: int) -> float:
     """Next-byte accuracy on held-out L1 texts of the most frequent continuation of the previous n-1
     bytes in the training L1 texts: what reading without copying can reach (a model above it copies)."""
@@ -82,6 +90,9 @@ def main() -> None:
     p.add_argument("--fresh-names", type=float, default=1.0)
     p.add_argument("--recite", type=float, default=0.0)
     p.add_argument("--random-l1", type=float, default=0.0)
+    p.add_argument("--random-text", choices=("pseudo", "letters"), default="pseudo",
+                   help="random L1s of pseudo-words (drills.random_l1), or of uniformly random letters in 3-7 letter "
+                   "words (a 2-letter prefix almost always unique, as the synthetic pieces)")
     p.add_argument("--drill-audio", choices=("keep", "constant"), default="keep",
                    help="a drill row's 16 audio rows: the stream's speech codes, or code 0 everywhere (no speech in the input sum)")
     p.add_argument("--span", type=int, nargs=2, default=(24, 120), help="reading-drill span length range (bytes)")
@@ -116,6 +127,9 @@ def main() -> None:
     opt = torch.optim.AdamW(lm.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / WARMUP) * (
         0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(1, s / a.steps)))))
+
+    def random_text(r: random.Random) -> str:
+        return random_l1(r, a.n1) if a.random_text == "pseudo" else random_letters(r, min(a.n1, 380))
 
     def logits(items: list[tuple[Sample, np.ndarray]]):
         b = make_batch(lm, TOK, items, a.n1, a.n2, a.window).to(device)
@@ -153,7 +167,7 @@ def main() -> None:
         ok = total = 0
         r = random.Random(5)
         for i in range(0, n, 4):
-            rows = [(dataclasses.replace(s, l1_text=random_l1(r, a.n1)) if random_words else s) for s in samples[i:i + 4]]
+            rows = [(dataclasses.replace(s, l1_text=random_text(r)) if random_words else s) for s in samples[i:i + 4]]
             items = [reading_drill(s, source.tokens(s.stream), r, span, a.window) for s in rows]
             b, out = logits(items)
             pred = out.text_logits.argmax(-1)
@@ -180,7 +194,7 @@ def main() -> None:
                 s, t = rename_people(s, t, rng)
             if rng.random() < a.recite:
                 if rng.random() < a.random_l1:
-                    s = dataclasses.replace(s, l1_text=random_l1(rng, a.n1))
+                    s = dataclasses.replace(s, l1_text=random_text(rng))
                 s, t = reading_drill(s, t, rng, span, a.window)
                 if a.drill_audio == "constant":
                     t = t.copy()
