@@ -17,6 +17,14 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
     python bench/bench_finetune.py --fresh-names 1 --drills 0.5 --drill-random-l1 0.5 \
         --work runs/bench_finetune_drills --out bench/results/bench_finetune_drills.json  # reading drills
     (--init-weights PATH starts the fine-tune from a backbone; the 'before fine-tuning' peer is then it)
+    python bench/bench_finetune.py --copy-backbone 600 --fresh-names 1 --drills 0.5 --drill-random-l1 0.5 \
+        --drill-span 100 180 --lr 2e-3 --steps 1200 --served-fps --work runs/bench_ft_backbone \
+        --out bench/results/bench_finetune_backbone.json          # from a backbone that copies (below)
+
+--copy-backbone N first trains the tiny preset for N steps on synthetic reading drills only
+(`bench/diag_induction.py --byte-ids`: letter pieces, random speech codes, never a dialog or a name of
+the corpus; ~8 min for 600 steps on one core), where it learns to copy from its context, and fine-tunes
+from that (docs/training.md, "A backbone that copies").
 
 Writes bench/results/bench_finetune.json (+ .png: the loss curve and Fact Score per model) and keeps the
 datasets and the run folder under --work (delete it to start again; an existing run is resumed).
@@ -43,6 +51,18 @@ def egomem(*args: str) -> float:
     return time.perf_counter() - t0
 
 
+def copy_backbone(steps: int, out: Path, seed: int) -> float:
+    """Train the tiny preset to copy from its context on synthetic drills (diag_induction.py --byte-ids,
+    the run docs/training.md reports); its wall time in seconds."""
+    t0 = time.perf_counter()
+    cmd = [sys.executable, str(REPO / "bench" / "diag_induction.py"), "--model", "moshi", "--byte-ids", "--drill", "1",
+           "--span", "40", "46", "--vocab", "26", "--no-out-norm", "--audio-rows", "noise", "--text-emb-std", "1",
+           "--steps", str(steps), "--seed", str(seed), "--save", str(out), "--out", str(out.with_suffix(".jsonl"))]
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_finetune")
@@ -59,6 +79,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--init-weights", type=Path, help="egomem finetune --weights: start from this backbone (then the "
                    "'before fine-tuning' peer is it, not the random init)")
+    p.add_argument("--copy-backbone", type=int, default=0, metavar="STEPS",
+                   help="first train a copying backbone for STEPS steps (module docstring) and start from it")
     p.add_argument("--fresh-names", type=float, default=0.0, help="egomem finetune --fresh-names (drills.py)")
     p.add_argument("--drills", type=float, default=0.0, help="egomem finetune --drills")
     p.add_argument("--drill-random-l1", type=float, default=0.0, help="egomem finetune --drill-random-l1")
@@ -68,6 +90,12 @@ def main() -> int:
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
+    if args.copy_backbone:
+        if args.init_weights:
+            p.error("--copy-backbone trains the backbone the run starts from: drop --init-weights")
+        args.init_weights = w / "copy_backbone.safetensors"
+        if not args.init_weights.exists():
+            times["copy_backbone_s"] = copy_backbone(args.copy_backbone, args.init_weights, args.seed)
     train, heldout, run = w / "train", w / "heldout", w / "run"
     if not (train / "manifest.json").exists():
         times["make_corpus_train_s"] = egomem("make-corpus", "--out", str(train), "--households",

@@ -31,6 +31,10 @@ With `--lead 0` the name always starts at chunk position 1, so a model with abso
 greet by position without reading by content; drills (`--drill 1`) start anywhere and cannot be
 copied by position. docs/training.md ("The skill itself, isolated") has the runs and what they show.
 
+`--byte-ids --save PATH` trains the tiny preset itself (letters as byte ids, its 260-id vocabulary) and
+writes it: with `--audio-rows noise --text-emb-std 1 --no-out-norm` that is the copying backbone
+`bench_finetune.py --copy-backbone` starts the fine-tune from (docs/training.md, "A backbone that copies").
+
     python bench/diag_induction.py --model moshi --out bench/results/diag_induction_moshi.jsonl
     python bench/diag_induction.py --model vanilla --out bench/results/diag_induction_vanilla.jsonl
     python bench/diag_induction.py --plot bench/results/diag_induction_*.jsonl   # -> diag_induction.png
@@ -50,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 PAD, SPECIALS = 3, 16  # Moshi's text pad; ids 4..15 are structure words
-NAME, PEOPLE, FACT, HI, COMMA, NL, GOOD, SEE = range(4, 12)
+NAME, PEOPLE, FACT, HI, COMMA, NL, GOOD, SEE, SPACE = range(4, 13)
 HELD_SEED = 12345
 
 
@@ -61,7 +65,8 @@ def make_row(r: random.Random, a: argparse.Namespace, kind: str = "mixed"):
     Scored positions: a greeting's first-name pieces, or a drill's written tokens after its first.
     """
     def word(n: int | None = None) -> list[int]:
-        return [SPECIALS + r.randrange(a.vocab) for _ in range(n or r.randint(1, 3))]
+        pieces = [SPECIALS + r.randrange(a.vocab) for _ in range(n or r.randint(1, 3))]
+        return pieces + [SPACE] if a.space else pieces  # --space: a separator after every word, as bytes have
 
     first, last = word(r.randint(2, 3)), word()
     ids = [NAME] + first + last + [NL, PEOPLE]
@@ -120,6 +125,10 @@ def build(a: argparse.Namespace):
     """(model, rows -> dialog text logits [B, dialog, V])."""
     torch.manual_seed(a.seed)
     V = SPECIALS + a.vocab
+    if a.byte_ids:
+        from egomem.dialog.tokenizer import ByteTokenizer
+
+        V = ByteTokenizer.vocab_size
     if a.model == "vanilla":
         from egomem.dialog.presets import lm_kwargs
 
@@ -137,9 +146,10 @@ def build(a: argparse.Namespace):
     from egomem.dialog.checkpoint import build_lm
 
     overrides = dict(kv.split("=", 1) for kv in a.override)
-    # the tiny preset now drops moshi's final norm; these runs keep it unless --no-out-norm (as when they were made)
+    # the tiny preset now drops moshi's final norm and draws its text embedding at std 1; these runs keep the
+    # norm unless --no-out-norm and moshi's embedding init unless --text-emb-std (as when they were made)
     lm = build_lm("tiny", seed=a.seed, text_card=V, positional_embedding=a.positions, out_norm=not a.no_out_norm,
-                  **overrides).train()
+                  text_emb_std=None, **overrides).train()  # moshi's init; --text-emb-std re-draws it below
     if a.torch_init:
         # moshi inits every linear at truncated-normal std 1/sqrt(dim_in); torch's default is uniform, std 1/sqrt(3 dim_in)
         for m in lm.transformer.modules():
@@ -177,10 +187,28 @@ def build(a: argparse.Namespace):
     return lm, logits
 
 
-def tensors(rows: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
-    """make_row outputs stacked: chunks [B, chunk], texts [B, dialog], supervised [B, dialog], name positions."""
-    return (torch.tensor([x[0] for x in rows]), torch.tensor([x[1] for x in rows]),
-            torch.tensor([x[2] for x in rows]), [x[3] for x in rows])
+def byte_id_table(a: argparse.Namespace) -> torch.Tensor | None:
+    """`--byte-ids`: row ids -> the byte tokenizer's (pieces = letters a.., structure words = punctuation), so
+    the trained model is the `tiny` preset's shape and `diag_memchunk_copy.py --init` can start from it."""
+    if not a.byte_ids:
+        return None
+    from egomem.dialog.tokenizer import ByteTokenizer
+
+    table = torch.arange(SPECIALS + a.vocab)
+    table[PAD] = ByteTokenizer.pad_id
+    table[4:SPECIALS] = torch.tensor([ByteTokenizer.OFFSET + ord(c) for c in ":;=,.\n!? -'\""[:SPECIALS - 4]])
+    table[SPECIALS:] = ByteTokenizer.OFFSET + ord("a") + torch.arange(a.vocab)
+    return table
+
+
+def tensors(rows: list[tuple], table: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """make_row outputs stacked: chunks [B, chunk], texts [B, dialog], supervised [B, dialog], name positions
+    (ids through `table` when given)."""
+    chunk, text = torch.tensor([x[0] for x in rows]), torch.tensor([x[1] for x in rows])
+    if table is not None:
+        chunk, text = table[chunk], table[text]
+    return chunk, text, torch.tensor([x[2] for x in rows]), [x[3] for x in rows]
 
 
 def train(a: argparse.Namespace) -> None:
@@ -191,15 +219,16 @@ def train(a: argparse.Namespace) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / warmup) * (
         0.1 + 0.45 * (1 + math.cos(math.pi * min(1, s / a.steps)))))
     r, held_r = random.Random(a.seed), random.Random(HELD_SEED)
-    held = [tensors([make_row(held_r, a, "greet") for _ in range(16)]) for _ in range(3)]
+    table = byte_id_table(a)
+    held = [tensors([make_row(held_r, a, "greet") for _ in range(16)], table) for _ in range(3)]
     drill_r = random.Random(HELD_SEED + 1)
-    held_drills = [tensors([make_row(drill_r, a, "drill") for _ in range(16)]) for _ in range(3)]
+    held_drills = [tensors([make_row(drill_r, a, "drill") for _ in range(16)], table) for _ in range(3)]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with a.out.open("w") as out:
         out.write(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}}) + "\n")
         for step in range(1, a.steps + 1):
-            chunk, text, sup, _ = tensors([make_row(r, a) for _ in range(a.batch_size)])
+            chunk, text, sup, _ = tensors([make_row(r, a) for _ in range(a.batch_size)], table)
             loss = F.cross_entropy(logits(chunk, text)[sup], text[sup])
             opt.zero_grad()
             loss.backward()
@@ -212,6 +241,12 @@ def train(a: argparse.Namespace) -> None:
                 print(json.dumps(rec), flush=True)
             out.write(json.dumps(rec) + "\n")
             out.flush()
+    if a.save is not None:  # Moshi safetensors of the tiny preset's shape (--byte-ids): a starting point
+        from safetensors.torch import save_file
+
+        a.save.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().float().contiguous() for k, v in model.state_dict().items()}, str(a.save),
+                  metadata={"format": "moshi-lm", "preset": "tiny", "trained_by": "bench/diag_induction.py"})
 
 
 @torch.no_grad()
@@ -251,7 +286,8 @@ LABEL_PARTS = [
     ("positions", "rope", "{} positions"), ("override", "[]", "{}"), ("smear", "0", "smear {}"),
     ("lookahead", "0", "lookahead {}"), ("no_out_norm", "False", "no final norm"),
     ("torch_init", "False", "torch init"), ("text_emb_std", "None", "text emb std {}"),
-    ("lead", "0", "name after up to {} words"), ("vocab", "1000", "{} pieces"), ("seed", "0", "seed {}"),
+    ("lead", "0", "name after up to {} words"), ("space", "False", "spaces"), ("byte_ids", "False", "byte ids"),
+    ("vocab", "1000", "{} pieces"), ("seed", "0", "seed {}"),
 ]
 
 
@@ -304,6 +340,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=1000, help="word pieces names and words are made of")
     p.add_argument("--chunk", type=int, default=96, help="chunk tokens (the Level-1 MemChunk, shortened)")
     p.add_argument("--dialog", type=int, default=48, help="dialog ticks")
+    p.add_argument("--space", action="store_true", help="a separator token after every word (as a space in bytes)")
     p.add_argument("--lead", type=int, default=0,
                    help="up to this many random words before `name:` (0: the name always starts at position 1)")
     p.add_argument("--drill", type=float, default=0.8, help="share of rows that read a span of the chunk")
@@ -329,12 +366,20 @@ def main() -> None:
                    help="vanilla: its transformer stack (moshi = moshi's StreamingTransformer, LayerNorm, plain MLP)")
     p.add_argument("--no-bias", action="store_true", help="vanilla: no biases anywhere, head included (as moshi)")
     p.add_argument("--out-norm", action="store_true", help="vanilla: a final norm before the head (as moshi)")
+    p.add_argument("--byte-ids", action="store_true", help="moshi: rows in the byte tokenizer's ids (pieces = letters, "
+                   "so --vocab <= 26) and the tiny preset's 260-id text vocabulary")
+    p.add_argument("--save", type=Path, help="moshi --byte-ids: write the trained LM here (Moshi safetensors; "
+                   "`diag_memchunk_copy.py --init` starts from it)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("runs/diag_induction.jsonl"))
     p.add_argument("--plot", type=Path, nargs="+", help="plot these JSONL runs to bench/results/diag_induction.png")
     a = p.parse_args()
+    if a.byte_ids and (a.model != "moshi" or a.vocab > 26):
+        p.error("--byte-ids maps pieces to the letters a-z: use it with --model moshi and --vocab <= 26")
+    if a.save is not None and not a.byte_ids:
+        p.error("--save writes a tiny-preset checkpoint: use it with --byte-ids")
     if a.plot:
         plot(a.plot, Path("bench/results/diag_induction.png"))
     else:

@@ -102,6 +102,11 @@ def main() -> None:
     p.add_argument("--n2", type=int, default=256, help="L2 MemChunk steps (the paper's 256)")
     p.add_argument("--out-norm", action="store_true",
                    help="keep moshi's final norm (the tiny preset drops it since issue #13's induction diagnosis)")
+    p.add_argument("--moshi-text-emb", action="store_true",
+                   help="moshi's text embedding init (1/sqrt(dim)); the tiny preset draws it at std 1 since the runs "
+                   "that found speech codes kept it from copying (runs before that: set this)")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from this tiny checkpoint (e.g. `diag_induction.py --byte-ids --save`) instead of random")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu | cuda (fp32 with TF32 matmuls on CUDA)")
@@ -122,7 +127,8 @@ def main() -> None:
     device = torch.device(a.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    lm = build_lm("tiny", seed=0, device=device, out_norm=a.out_norm)
+    lm = build_lm("tiny", weights=a.init, seed=0, device=device, out_norm=a.out_norm,
+                  **({"text_emb_std": None} if a.moshi_text_emb else {}))
     lm.train()
     opt = torch.optim.AdamW(lm.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / WARMUP) * (

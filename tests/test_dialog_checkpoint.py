@@ -56,6 +56,20 @@ def test_final_norm_follows_the_preset_and_the_checkpoint(tmp_path):
         build_lm("tiny", weights=plain, out_norm=True, **TINY)
 
 
+
+def test_text_embedding_init_follows_the_preset(tmp_path):
+    """tiny draws its random text embedding at std 1 (presets.py: the text stands out of the 16 summed audio
+    embeddings), moshi's init is 1/sqrt(dim); only the text embedding differs, and a checkpoint's weights win."""
+    wide = TINY | dict(dim=256)  # moshi's std 1/16: far from 1
+    tiny, moshi_init = build_lm("tiny", seed=6, **wide), build_lm("tiny", seed=6, text_emb_std=None, **wide)
+    assert 0.9 < tiny.text_emb.weight.std().item() < 1.1
+    assert 0.8 / 16 < moshi_init.text_emb.weight.std().item() < 1.2 / 16
+    differ = [k for k, v in tiny.state_dict().items() if not torch.equal(v, moshi_init.state_dict()[k])]
+    assert differ == ["text_emb.weight"]
+    path = tmp_path / "moshi_init.safetensors"
+    save_file(_state(moshi_init), str(path))
+    assert torch.equal(build_lm("tiny", weights=path, **wide).text_emb.weight, moshi_init.text_emb.weight)
+
 def test_missing_checkpoint_names_the_file(tmp_path):
     with pytest.raises(CheckpointError, match="nowhere.safetensors.*never downloaded"):
         build_lm("tiny", weights=tmp_path / "nowhere.safetensors", **TINY)

@@ -38,10 +38,15 @@ def build_lm(preset: str = "tiny", weights: Path | None = None, device: str | to
     """An eval-mode LMModel of `preset` shape, with weights from `weights` (safetensors) or seeded random."""
     kwargs = lm_kwargs(preset, **overrides)
     keep_out_norm = kwargs.pop("out_norm")
+    text_emb_std = kwargs.pop("text_emb_std")
     if weights is None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return _without_out_norm(LMModel(device=device, dtype=dtype, **kwargs), keep_out_norm).eval()
+            model = _without_out_norm(LMModel(device=device, dtype=dtype, **kwargs), keep_out_norm)
+            if text_emb_std is not None:  # presets.py: the text stands out of the summed audio embeddings
+                with torch.no_grad():
+                    model.text_emb.weight.normal_(0.0, text_emb_std)
+            return model.eval()
     path = Path(weights)
     if not path.is_file():
         raise CheckpointError(f"dialog checkpoint {path} does not exist: set dialog.weights to a local Moshi "

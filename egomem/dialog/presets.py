@@ -10,6 +10,13 @@ False. The tiny preset has none: trained from scratch, a final norm kept both th
 textbook transformer from learning to copy a span out of their context by content (induction heads)
 within thousands of steps, and without it both learn it (docs/training.md, "The skill itself,
 isolated"). Moshi-7B's checkpoints carry the norm, so `7b` keeps it.
+
+`text_emb_std` is EgoMem's too: when set, a randomly initialised model's text embedding is drawn at
+this std instead of moshi's 1/sqrt(dim) (a checkpoint's weights replace it). The input of a step is the
+sum of the text embedding and 16 audio embeddings; at moshi's init the text is one of 17 equal parts,
+and with speech codes in the audio rows the from-scratch tiny model did not learn to copy text out of
+its context (0.13 of a drill by 700 steps); at std 1 it copied 0.97 by step 300 (docs/training.md,
+"The skill itself, isolated"). Moshi-7B's checkpoints carry their embeddings, so `7b` leaves it unset.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ _COMMON: dict[str, Any] = {
     "delays": MOSHI_DELAYS,
     "existing_text_padding_id": 3,
     "out_norm": True,  # EgoMem's key (module docstring): keep LMModel.out_norm
+    "text_emb_std": None,  # EgoMem's key (module docstring): moshi's text embedding init
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -51,12 +59,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "depformer_dim": 128, "depformer_dim_feedforward": int(4.125 * 128),
         "depformer_num_heads": 2, "depformer_num_layers": 2, "depformer_context": 8,
         "out_norm": False,  # lets the from-scratch model learn to copy from its MemChunks (module docstring)
+        "text_emb_std": 1.0,  # the text stands out of the summed speech embeddings (module docstring)
     },
 }
 
 
 def lm_kwargs(preset: str, **overrides: Any) -> dict[str, Any]:
-    """The `LMModel(**kwargs)` of a preset plus EgoMem's `out_norm` key, with overrides applied (tests shrink
+    """The `LMModel(**kwargs)` of a preset plus EgoMem's `out_norm` and `text_emb_std` keys, with overrides applied (tests shrink
     `tiny` further). `build_lm` is what turns these into a model."""
     if preset not in PRESETS:
         raise ValueError(f"unknown dialog preset {preset!r}; choose one of {sorted(PRESETS)}")
