@@ -117,7 +117,8 @@ def main() -> int:
                                      *(["--weights", str(args.init_weights)] if args.init_weights else []))
     eval_json = w / "eval_dialog.json"
     times["eval_dialog_s"] = egomem("eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"),
-                                    "--name", "finetuned", "--peer-empty", "--peer", f"before fine-tuning={args.init_weights or 'random'}",
+                                    "--name", "finetuned", "--peer-empty",
+                                    "--peer", f"before fine-tuning={args.init_weights or 'random'}",
                                     "--judge", "rules", "--out", str(eval_json), "--seed", str(args.seed),
                                     *(["--served-fps"] if args.served_fps else []))
     card = json.loads((run / "model_card.json").read_text())
