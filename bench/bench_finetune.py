@@ -1,7 +1,8 @@
 """Benchmark issue #13: fine-tune the tiny preset on Level-1 MemChunk data on CPU, then Fact Score on
 held-out people (names, relations, facts and voices never seen in training).
 
-One run, three models on the same held-out streams, clean and noised (paper Table 3). Training data is
+One run, three models on the same held-out streams, clean and noised (paper Table 3), decoded greedily
+and, with `--temperature T` (default 0.5; 0: greedy only), sampled at T too. Training data is
 Level 1 (the issue's run); the held-out set has Level-1 and Level-2 dialogs, so the report also says how
 far an L1-trained model gets on Level 2 (query words, Fact Score):
   - finetuned:                   the tiny preset after `egomem finetune`;
@@ -20,11 +21,14 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
     python bench/bench_finetune.py --copy-backbone 600 --fresh-names 1 --drills 0.5 --drill-random-l1 0.5 \
         --drill-span 100 180 --lr 2e-3 --steps 1200 --served-fps --work runs/bench_ft_backbone \
         --out bench/results/bench_finetune_backbone.json          # from a backbone that copies (below)
+    python bench/bench_finetune.py --copy-backbone 600 --fresh-names 1 --drills 0.2 --drill-random-l1 0.5 \
+        --drill-span 100 180 --lr 2e-3 --steps 1200 --served-fps --work runs/bench_ft_drills02 \
+        --out bench/results/bench_finetune_backbone_drills02.json # the README model card: a fifth drills
 
 --copy-backbone N first trains the tiny preset for N steps on synthetic reading drills only
-(`bench/diag_induction.py --byte-ids`: letter pieces, random speech codes, never a dialog or a name of
-the corpus; ~8 min for 600 steps on one core), where it learns to copy from its context, and fine-tunes
-from that (docs/training.md, "A backbone that copies").
+(`egomem train-backbone`: letter words, random speech codes, never a dialog or a name of the corpus;
+~8 min for 600 steps on one core), where it learns to copy from its context, and fine-tunes from that
+(docs/training.md, "A backbone that copies").
 
 Writes bench/results/bench_finetune.json (+ .png: the loss curve and Fact Score per model) and keeps the
 datasets and the run folder under --work (delete it to start again; an existing run is resumed).
@@ -52,15 +56,16 @@ def egomem(*args: str) -> float:
 
 
 def copy_backbone(steps: int, out: Path, seed: int) -> float:
-    """Train the tiny preset to copy from its context on synthetic drills (diag_induction.py --byte-ids,
-    the run docs/training.md reports); its wall time in seconds."""
-    t0 = time.perf_counter()
-    cmd = [sys.executable, str(REPO / "bench" / "diag_induction.py"), "--model", "moshi", "--byte-ids", "--drill", "1",
-           "--span", "40", "46", "--vocab", "26", "--no-out-norm", "--audio-rows", "noise", "--text-emb-std", "1",
-           "--steps", str(steps), "--seed", str(seed), "--save", str(out), "--out", str(out.with_suffix(".jsonl"))]
-    print("$ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=REPO)
-    return time.perf_counter() - t0
+    """`egomem train-backbone` for `steps` steps (a model that copies from its context), its lm.safetensors
+    copied to `out`; the wall time in seconds."""
+    import shutil
+
+    run = out.with_suffix("")  # the backbone's run folder (resumed when an earlier run stopped)
+    resume = ["--resume"] if (run / "ckpt" / "state.pt").exists() else []
+    seconds = egomem("train-backbone", "--out", str(run), "--steps", str(steps), "--seed", str(seed), "--threads",
+                     "1", "--no-progress", *resume)
+    shutil.copyfile(run / "lm.safetensors", out)
+    return seconds
 
 
 def main() -> int:
@@ -86,6 +91,8 @@ def main() -> int:
     p.add_argument("--drill-random-l1", type=float, default=0.0, help="egomem finetune --drill-random-l1")
     p.add_argument("--drill-span", type=int, nargs=2, default=(24, 120), help="egomem finetune --drill-span")
     p.add_argument("--served-fps", action="store_true", help="also time dialog_lm on a real tritonserver")
+    p.add_argument("--temperature", type=float, default=0.5, help="also evaluate sampled at this temperature, beside "
+                   "greedy (0: greedy only)")
     args = p.parse_args()
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
@@ -115,14 +122,17 @@ def main() -> int:
                                      "--drill-random-l1", str(args.drill_random_l1),
                                      "--drill-span", *map(str, args.drill_span), *resume,
                                      *(["--weights", str(args.init_weights)] if args.init_weights else []))
-    eval_json = w / "eval_dialog.json"
-    times["eval_dialog_s"] = egomem("eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"),
-                                    "--name", "finetuned", "--peer-empty",
-                                    "--peer", f"before fine-tuning={args.init_weights or 'random'}",
-                                    "--judge", "rules", "--out", str(eval_json), "--seed", str(args.seed),
-                                    *(["--served-fps"] if args.served_fps else []))
+    eval_args = ["eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"), "--name",
+                 "finetuned", "--peer-empty", "--peer", f"before fine-tuning={args.init_weights or 'random'}",
+                 "--judge", "rules", "--seed", str(args.seed)]
+    eval_json, sampled_json = w / "eval_dialog.json", w / "eval_dialog_sampled.json"
+    times["eval_dialog_s"] = egomem(*eval_args, "--out", str(eval_json), *(["--served-fps"] if args.served_fps else []))
+    if args.temperature > 0:  # the same models and streams, sampled (throughput is measured once, above)
+        times["eval_dialog_sampled_s"] = egomem(*eval_args, "--temperature", str(args.temperature), "--out",
+                                                str(sampled_json), "--fps-ticks", "0")
     card = json.loads((run / "model_card.json").read_text())
     report = json.loads(eval_json.read_text())
+    sampled = json.loads(sampled_json.read_text()) if args.temperature > 0 else None
     losses = [json.loads(x) for x in (run / "loss.jsonl").read_text().splitlines() if x.strip()]
     result = {
         "what": f"tiny preset fine-tuned on Level-{args.train_levels} MemChunk data (CPU), Fact Score on held-out people",
@@ -131,18 +141,26 @@ def main() -> int:
         "times_s": times,
         "train_card": card,
         "eval": report,
-        "summary": {m["name"]: {c: {"l1_fact_score": m[c]["l1"]["fact_score"], "n": m[c]["l1"]["n"],
-                                    "greetings": m[c]["l1"]["greetings"], "answers": m[c]["l1"]["answers"],
-                                    "l2_fact_score": m[c]["l2"]["fact_score"], "l2_n": m[c]["l2"]["n"],
-                                    "l2_query": m[c]["l2"]["query"]}
-                                for c in report["conditions"]} for m in report["models"]},
+        "summary": summary(report),  # greedy decoding
     }
+    if sampled is not None:
+        result["eval_sampled"] = sampled
+        result["summary_sampled"] = {"temperature": args.temperature, **summary(sampled)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, losses, args.out.with_suffix(".png"))
-    print(json.dumps(result["summary"], indent=1))
+    print(json.dumps({k: result[k] for k in ("summary", "summary_sampled") if k in result}, indent=1))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
+
+
+def summary(report: dict) -> dict:
+    """Model -> condition -> the Level-1 (greetings, answers) and Level-2 figures of an eval-dialog report."""
+    return {m["name"]: {c: {"l1_fact_score": m[c]["l1"]["fact_score"], "n": m[c]["l1"]["n"],
+                            "greetings": m[c]["l1"]["greetings"], "answers": m[c]["l1"]["answers"],
+                            "l2_fact_score": m[c]["l2"]["fact_score"], "l2_n": m[c]["l2"]["n"],
+                            "l2_query": m[c]["l2"]["query"]}
+                        for c in report["conditions"]} for m in report["models"]}
 
 
 def plot(result: dict, losses: list[dict], path: Path) -> None:
@@ -151,7 +169,11 @@ def plot(result: dict, losses: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    panels = [("greedy", result["summary"])]
+    if "summary_sampled" in result:
+        sampled = dict(result["summary_sampled"])
+        panels.append((f"sampled, T={sampled.pop('temperature')}", sampled))
+    fig, (a, *bars) = plt.subplots(1, 1 + len(panels), figsize=(6 + 6 * len(panels), 4.2))
     for kind, style in (("train", "-"), ("eval", "o-")):
         pts = [(r["step"], r["loss"]) for r in losses if r.get("kind", "train") == kind and "loss" in r]
         if pts:
@@ -160,19 +182,21 @@ def plot(result: dict, losses: list[dict], path: Path) -> None:
     a.set_ylabel("masked loss (text + speak)")
     a.legend()
     a.set_title(f"finetune ({result['times_s'].get('finetune_s', float('nan')) / 60:.1f} min)")
-    names = list(result["summary"])
     conds = result["eval"]["conditions"]
     width = 0.8 / (2 * len(conds))
-    for i, c in enumerate(conds):
-        for j, part in enumerate(("greetings", "answers")):
-            vals = [result["summary"][n][c][part]["fact_score"] or 0.0 for n in names]
-            xs = [k + (2 * i + j - len(conds) + 0.5) * width for k in range(len(names))]
-            b.bar(xs, vals, width, label=f"{c}, {part}")
-    b.axhline(0.85, ls="--", c="k", lw=0.8)
-    b.set_xticks(range(len(names)), names, fontsize=8)
-    b.set_ylim(0, 1)
-    b.set_ylabel("Level-1 Fact Score (held-out people)")
-    b.legend(fontsize=7)
+    for b, (decoding, table) in zip(bars, panels, strict=True):
+        names = list(table)
+        for i, c in enumerate(conds):
+            for j, part in enumerate(("greetings", "answers")):
+                vals = [table[n][c][part]["fact_score"] or 0.0 for n in names]
+                xs = [k + (2 * i + j - len(conds) + 0.5) * width for k in range(len(names))]
+                b.bar(xs, vals, width, label=f"{c}, {part}")
+        b.axhline(0.85, ls="--", c="k", lw=0.8)
+        b.set_xticks(range(len(names)), names, fontsize=8)
+        b.set_ylim(0, 1)
+        b.set_ylabel("Level-1 Fact Score (held-out people)")
+        b.set_title(f"decoding: {decoding}")
+        b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -32,8 +32,9 @@ greet by position without reading by content; drills (`--drill 1`) start anywher
 copied by position. docs/training.md ("The skill itself, isolated") has the runs and what they show.
 
 `--byte-ids --save PATH` trains the tiny preset itself (letters as byte ids, its 260-id vocabulary) and
-writes it: with `--audio-rows noise --text-emb-std 1 --no-out-norm` that is the copying backbone
-`bench_finetune.py --copy-backbone` starts the fine-tune from (docs/training.md, "A backbone that copies").
+writes it: with `--drill 1 --span 40 46 --vocab 26 --audio-rows noise --text-emb-std 1 --no-out-norm`
+that is the copying backbone, which the product command `egomem train-backbone` (egomem/training/
+backbone.py) now trains, bit for bit the same at seed 0 (docs/training.md, "A backbone that copies").
 
     python bench/diag_induction.py --model moshi --out bench/results/diag_induction_moshi.jsonl
     python bench/diag_induction.py --model vanilla --out bench/results/diag_induction_vanilla.jsonl

@@ -141,6 +141,8 @@ JOBS = {
     "train-trigger": ("egomem.trigger.train", "train the episodic trigger on synthetic streams (resumable)"),
     "make-corpus": ("egomem.training.build",
                     "synthesise MemChunk training data: people, relation graphs, dialogs, speech, masks"),
+    "train-backbone": ("egomem.training.backbone",
+                       "pre-train a dialog model to copy from its context (synthetic drills): finetune's start"),
     "finetune": ("egomem.training.finetune", "fine-tune a Moshi-format dialog model on MemChunk data (resumable)"),
     "eval-dialog": ("egomem.training.eval_dialog",
                     "evaluate how a dialog model uses its memory: Fact Score, query words, fps (paper Table 3)"),

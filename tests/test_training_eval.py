@@ -228,14 +228,16 @@ def test_make_judge_auto_without_key_is_the_rules(monkeypatch):
 
 # ---------------------------------------------------------------------------- evaluate, end to end
 
-# (dialog, turns as (user_start, user_end, model text written from user_end + 1)) per stream; frames by hand
+# (dialog, start, turns as (user_start, user_end, model text written from user_end + 1 [or from this frame]))
+# per stream; frames by hand
 QUERY = "<retr>:\nsister\n<answer>"
 # The greeting's text ends on the frame before the next user turn starts, and the model "says" x on the first
 # and last frames of that user's audio: neither belongs to a reply, so the windows are checked to the frame.
+# Cyd's greeting starts before its turn's frame (9): a greeting is read from its dialog's L1 write (frame 0).
 PLAN = [
     [(0, 2, [(2, 2, "Hi Ada!"), (10, 14, "You live in Oslo.")]),
      (1, 42, [(42, 46, QUERY + "Bea plays tennis."), (90, 94, "ok")])],
-    [(2, 3, [(3, 3, "Hi Cyd!"), (14, 18, "Fine.")])],
+    [(2, 3, [(9, 9, "Hi Cyd!", 4), (14, 18, "Fine.")])],
 ]
 NOISED = {"Hi Ada!": "Hi Bea!", "You live in Oslo.": "You live in Rome.", QUERY + "Bea plays tennis.":
           "<retr>:\ncousin\n<answer>Cyd plays tennis."}
@@ -255,11 +257,12 @@ def make_streams(rng: np.random.Generator) -> list[Stream]:
         layouts = []
         for d, start, turns in dialogs:
             tl = []
-            for j, (us, ue, text) in enumerate(turns):
+            for j, (us, ue, text, *at) in enumerate(turns):
+                ts = at[0] if at else ue + 1
                 for row, t in ((clean, text), (noised, NOISED.get(text, text))):
-                    row[9, ue + 1:ue + 1 + len(t)] = [CHARS.index(c) + 1 for c in t]
-                end = ue + 1 + len(text)
-                tl.append(TurnLayout(j, us, ue, None, None, ue + 1, end, ue + 3, end, False))
+                    row[9, ts:ts + len(t)] = [CHARS.index(c) + 1 for c in t]
+                end = ts + len(text)
+                tl.append(TurnLayout(j, us, ue, None, None, ts, end, ts + 2, end, False))
             layouts.append(DialogLayout(d, DIALOGS[d].user_id, "v", start, tl[-1].reply_end, tuple(tl)))
         for f, c in STRAY.get(i, {}).items():
             clean[9, f] = noised[9, f] = CHARS.index(c) + 1
@@ -310,8 +313,8 @@ def test_evaluate_scripted_model_every_figure_known(memory):
     assert r["l2"]["query"] == {"precision": 1.0, "recall": 0.5, "exact": 0.0, "found": 1.0, "n": 1}
     assert r["answer_quality"] == "not measured"
     assert [(t["frames"], t["reply"]) for t in r["turns"]] == [
-        ([2, 10], "Hi Ada!"), ([14, 42], "You live in Oslo."), ([46, 90], "Bea plays tennis."),  # query cut out
-        ([3, 14], "Hi Cyd!"), ([18, 28], "Fine.")]  # the level-0 turn is not judged
+        ([0, 10], "Hi Ada!"), ([14, 42], "You live in Oslo."), ([46, 90], "Bea plays tennis."),  # query cut out
+        ([0, 14], "Hi Cyd!"), ([18, 28], "Fine.")]  # the level-0 turn is not judged
     assert [t["expected"] for t in r["turns"]] == [  # what the judge looked for, beside each reply
         {"names": ["Ada"], "facts": []}, {"names": [], "facts": ["Oslo"]}, {"names": ["Bea"], "facts": ["tennis"]},
         {"names": ["Cyd"], "facts": []}, {"names": [], "facts": []}]
@@ -361,6 +364,19 @@ def test_evaluate_tiny_random_model_and_empty_memchunk_peer(memory):
                  noised=True)
 
 
+def test_evaluate_sampling_repeats_with_its_seed(memory):
+    """A sampling engine (temperature > 0) draws from torch's generator, seeded per evaluation: the same seed
+    gives the same replies, another seed others; the report says how it decoded."""
+    streams = make_streams(np.random.default_rng(1))
+    engine = DialogEngine(build_lm("tiny", seed=3, **TINY), max_streams=2, l1_steps=512, l2_steps=256,
+                          ring_steps=32, temperature=1.0)
+    judge = RuleJudge([HOME], DIALOGS)
+    runs = [evaluate(engine, TOK, DIALOGS, streams, memory, judge, seed=s) for s in (0, 0, 1)]
+    replies = [[t["reply"] for t in r["turns"]] for r in runs]
+    assert replies[0] == replies[1] and replies[0] != replies[2] and all(replies[0])
+    assert (runs[0]["temperature"], runs[0]["seed"], runs[2]["seed"]) == (1.0, 0, 1)
+
+
 def test_evaluate_with_llm_judge_reports_answer_quality(memory, server, monkeypatch, tmp_path):
     def grade(req):
         body = json.loads(req["messages"][1]["content"])
@@ -390,12 +406,13 @@ def test_run_eval_on_a_dataset_folder(tmp_path, monkeypatch):
     out = tmp_path / "report" / "eval.json"
     data = str(tmp_path / "data")
     assert main(["--data", data, "--judge", "rules", "--peer-empty", "--conditions", "clean", "--limit-streams", "1",
-                 "--fps-ticks", "2", "--batch", "2", "--out", str(out)]) == 0  # what `egomem eval-dialog` runs
+                 "--fps-ticks", "2", "--batch", "2", "--temperature", "0.5", "--out", str(out)]) == 0  # `egomem eval-dialog`
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert [m["name"] for m in report["models"]] == ["model", "model (empty MemChunks)"]
     model, empty = report["models"]
     assert report["streams"] == 1 and report["conditions"] == ["clean"] and report["judge"] == "rules"
+    assert report["temperature"] == 0.5 == model["clean"]["temperature"] == empty["clean"]["temperature"]
     assert empty["clean"]["writes"]["l1_writes"] == 0 and model["clean"]["writes"]["l1_writes"] == 2
     assert model["clean"]["l1"]["n"] == 2 and model["clean"]["l2"]["n"] == 1 and "fps" not in empty
     fps = model["fps"]["engine"]
@@ -404,6 +421,7 @@ def test_run_eval_on_a_dataset_folder(tmp_path, monkeypatch):
     p.add_argument("--config")
     add_eval_args(p)
     assert run_eval(p.parse_args(["--data", data, "--peer", "nope", "--out", str(out)])) == 2
+    assert run_eval(p.parse_args(["--data", data, "--temperature", "-1", "--out", str(out)])) == 2
 
 
 def test_served_fps_through_a_real_tritonserver(tmp_path):

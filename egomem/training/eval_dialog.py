@@ -37,9 +37,12 @@ def add_eval_args(p: Any) -> None:
     a("--batch", type=int, default=8, help="streams stepped together (engine slots)")
     a("--reply-frames", type=int, default=250, help="longest reply window, in 80 ms frames")
     a("--limit-streams", type=int, default=0, help="evaluate at most this many streams (0: all)")
-    a("--fps-ticks", type=int, default=40, help="timed ticks per throughput measurement")
+    a("--fps-ticks", type=int, default=40, help="timed ticks per throughput measurement (0: no throughput)")
     a("--served-fps", action="store_true", help="also measure dialog_lm on a real tritonserver (slow to start)")
-    a("--seed", type=int, default=0)
+    a("--temperature", type=float, metavar="T",
+      help="decoding: 0 greedy, > 0 samples text and audio at T with dialog.top_k_text / top_k_audio, seeded by "
+           "--seed (default: dialog.temperature, 0)")
+    a("--seed", type=int, default=0, help="held-out generation and the sampling draws")
     a("--out", type=Path, default=Path("runs/eval_dialog.json"), help="JSON report; the PNG goes beside it")
 
 
@@ -163,7 +166,10 @@ def run_eval(args: Any) -> int:
             if not (sep and name and w):
                 raise EvalError(f"--peer takes NAME=WEIGHTS (a safetensors file or 'random'), got {spec!r}")
             models.append((name, None if w == "random" else w, True))
-        engine_cfg = replace(cfg.dialog, max_streams=args.batch)
+        if args.temperature is not None and not args.temperature >= 0:
+            raise EvalError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+        temperature = cfg.dialog.temperature if args.temperature is None else args.temperature
+        engine_cfg = replace(cfg.dialog, max_streams=args.batch, temperature=temperature)
         engines: dict[str, DialogEngine] = {}
         engines[str(models[0][1])], tokenizer = build_engine(replace(engine_cfg, weights=models[0][1]))
         households, dialogs, streams = _eval_set(args, cfg, tokenizer, "noised" in conditions)
@@ -188,13 +194,14 @@ def run_eval(args: Any) -> int:
                                      "memory": use_memory}
             for c in conditions:
                 entry[c] = evaluate(engines[key], tokenizer, dialogs, streams, memory, judge, c == "noised", use_memory,
-                                    reply_frames=args.reply_frames, max_query_chars=cfg.retrieval.max_query_chars)
-            if use_memory:  # throughput of these weights (the empty-MemChunk peer shares its model's)
+                                    reply_frames=args.reply_frames, max_query_chars=cfg.retrieval.max_query_chars,
+                                    seed=args.seed)
+            if use_memory and args.fps_ticks > 0:  # throughput of these weights (the empty-MemChunk peer: the same)
                 fps = entry["fps"] = {"engine": engine_fps(engines[key], l1_ids, l2_ids, ticks=args.fps_ticks)}
                 if args.served_fps:
                     served = copy.deepcopy(cfg)  # the server's own slot pool: at least --batch slots
                     served.dialog = replace(cfg.dialog, weights=None if weights is None else Path(weights).resolve(),
-                                            max_streams=max(args.batch, cfg.dialog.max_streams))
+                                            max_streams=max(args.batch, cfg.dialog.max_streams), temperature=temperature)
                     http, grpc, metrics = free_ports(3)
                     served.server = replace(cfg.server, http_port=http, grpc_port=grpc, metrics_port=metrics,
                                             run_dir=args.out.parent.resolve() / "eval_triton")
@@ -210,7 +217,8 @@ def run_eval(args: Any) -> int:
         if memory is not None:
             memory.close()
     report = {"judge": judge.name, "households": len(households), "dialogs": len(dialogs), "streams": len(streams),
-              "conditions": conditions, "seed": args.seed, "reply_frames": args.reply_frames, "models": results}
+              "conditions": conditions, "seed": args.seed, "temperature": temperature, "reply_frames": args.reply_frames,
+              "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     plot(report, args.out.with_suffix(".png"))
@@ -258,7 +266,8 @@ def plot(report: dict[str, Any], path: Any) -> None:
         ax.set_xticks(range(len(models)), [m["name"] for m in models], rotation=15, fontsize=8)
         ax.set(ylim=(0, 1.15), title=f"Level-{level[1]} Fact Score", ylabel="Fact Score")
         ax.legend(fontsize=8)
-    fig.suptitle(f"eval-dialog ({report['judge']} judge, {report['streams']} held-out streams)")
+    decoding = f"sampled at T={report['temperature']}" if report.get("temperature") else "greedy"
+    fig.suptitle(f"eval-dialog ({report['judge']} judge, {report['streams']} held-out streams, {decoding})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -9,8 +9,9 @@ clears L2, as every training sample's dialog starts with L2 empty); when the mod
 (`parse_query`, looked for whenever a piece holds ">"), the real Level-2 retrieval with the PARSED query
 (`MemoryTexts.l2`) and an L2 refresh before the next tick. The empty-MemChunk peer writes nothing.
 
-A turn's reply is the model's decoded text from the end of the user's audio (for a greeting: the turn's
-start) until the next user turn starts, at most `reply_frames` frames, with any `<retr>...<answer>`
+A turn's reply is the model's decoded text from the end of the user's audio (for a greeting: the frame
+its dialog's L1 refresh is written, since the model may open as soon as it knows who is there) until the
+next user turn starts, at most `reply_frames` frames, with any `<retr>...<answer>`
 cut out; the judge (judge.py) scores it. Level-2 turns also score the first query the model wrote
 between the start of the user's audio and the end of that window.
 
@@ -110,10 +111,11 @@ def _condition_frames(stream: Stream, noised: bool) -> np.ndarray:
 def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dialogs: Sequence[Dialog],
              streams: Sequence[Stream], memory: MemorySource, judge: Judge, noised: bool = False,
              use_memory: bool = True, batch: int = 8, reply_frames: int = 250, l1_steps: int = 512,
-             l2_steps: int = 256, max_query_chars: int = 2000) -> dict[str, Any]:
+             l2_steps: int = 256, max_query_chars: int = 2000, seed: int = 0) -> dict[str, Any]:
     """Run held-out `streams` (their dialogs: `dialogs[DialogLayout.index]`) through the engine and judge
     each Level-1 and Level-2 turn (module docstring). `use_memory=False` is the empty-MemChunk peer. An engine
     is used as it is (its free slots step together); for an LMModel one is built (`batch`, `l1_steps`, `l2_steps`).
+    A sampling engine (temperature > 0) draws from torch's generator, seeded here with `seed`: a run repeats.
     Returns the condition's report: Fact Scores, query-word scores, Answer Quality and per-turn records."""
     engine = _engine(lm_or_engine, batch, l1_steps, l2_steps)
     pool = DialogStreamPool(engine, tokenizer, ttl_s=float("inf"))
@@ -126,6 +128,7 @@ def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dia
     width = len(engine.free)
     if width == 0:
         raise EvalError("the engine has no free stream slot: close its streams or pass an LMModel")
+    torch.manual_seed(seed)
     t0 = time.perf_counter()
     try:
         for g in range(0, len(runs), width):
@@ -138,7 +141,8 @@ def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dia
     for run in runs:
         records += _judge_stream(run, dialogs, memory, judge, tokenizer, reply_frames)
     report = _aggregate(records)
-    report.update(noised=noised, memory=use_memory, judge=judge.name, streams=len(runs), frames=stats["frames"],
+    report.update(noised=noised, memory=use_memory, judge=judge.name, temperature=engine.temperature, seed=seed,
+                  streams=len(runs), frames=stats["frames"],
                   loop_frames_per_s=stats["frames"] / seconds if seconds else None, writes=stats, turns=records)
     return report
 
@@ -189,7 +193,7 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
     layout = run.stream.layout
     starts = [u.user_start for d in layout.dialogs for u in d.turns] + [layout.n_steps]
     out, k = [], 0
-    for d in layout.dialogs:
+    for n, d in enumerate(layout.dialogs):
         dialog = dialogs[d.index]
         if dialog.user_id != d.user_id:
             raise EvalError(f"stream {layout.stream}: dialog {d.index} is {dialog.user_id!r}'s, the layout says "
@@ -200,7 +204,8 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
             turn = dialog.turns[u.turn]
             if turn.level == 0:
                 continue
-            a = u.user_end
+            # a greeting opens once the dialog's L1 is written: frame 0 for a stream's first dialog (_Run.l1_at)
+            a = u.user_end if turn.user.strip() else (0 if n == 0 else d.start)
             b = min(starts[k], a + reply_frames)
             reply = strip_queries(decode(tokenizer, run.texts[a:b]))
             retrieved = memory.l2(dialog.user_id, turn.query) if turn.query is not None else ""

@@ -175,6 +175,17 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def run_checkpoint(out: Path, resume: bool, what: str) -> Path:
+    """`out/ckpt/state.pt`, after checking it agrees with `resume`: a run folder is never silently restarted."""
+    ckpt = out / "ckpt" / "state.pt"
+    if ckpt.is_file() and not resume:
+        raise FileExistsError(f"{out} already holds a {what} run ({ckpt}); pass --resume to continue it "
+                              f"or choose another --out")
+    if resume and not ckpt.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint {ckpt} to continue; drop --resume to start a run there")
+    return ckpt
+
+
 def _config_json(cfg: TrainConfig) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
 
@@ -393,12 +404,7 @@ def train(cfg: TrainConfig, data: DataSource | None = None, progress: bool = Tru
     device, dtype = _resolve(cfg)
     data = open_dataset(cfg.data) if data is None else data
     out = Path(cfg.out)
-    ckpt = out / "ckpt" / "state.pt"
-    if ckpt.is_file() and not cfg.resume:
-        raise FileExistsError(f"{out} already holds a fine-tuning run ({ckpt}); pass --resume to continue it "
-                              f"or choose another --out")
-    if cfg.resume and not ckpt.is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint {ckpt} to continue; drop --resume to start a run there")
+    ckpt = run_checkpoint(out, cfg.resume, "fine-tuning")
     t = _Trainer(cfg, data, device, dtype)
     if cfg.resume:
         t.load(ckpt)
