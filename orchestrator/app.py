@@ -64,7 +64,11 @@ async def services_ctx(app: web.Application) -> AsyncIterator[None]:
     if perception is not None:
         perception.close()
     await replicas.close()
-    await asyncio.to_thread(store.close)
+    # A task cancelled above (the change applier's heartbeat) cancels its await, not the store call its worker
+    # thread is running: wait for every such call to return before the store closes its connections under it
+    # (closing a SQLite connection in use segfaults). The loop is ending, so its default executor can go too.
+    await asyncio.get_running_loop().shutdown_default_executor()
+    store.close()
 
 
 async def _close_sockets(app: web.Application) -> None:
