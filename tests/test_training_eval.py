@@ -371,7 +371,9 @@ def test_evaluate_sampling_repeats_with_its_seed(memory):
     engine = DialogEngine(build_lm("tiny", seed=3, **TINY), max_streams=2, l1_steps=512, l2_steps=256,
                           ring_steps=32, temperature=1.0)
     judge = RuleJudge([HOME], DIALOGS)
+    before = torch.get_rng_state()
     runs = [evaluate(engine, TOK, DIALOGS, streams, memory, judge, seed=s) for s in (0, 0, 1)]
+    assert torch.equal(torch.get_rng_state(), before)  # seeded in a fork: the caller's generator is untouched
     replies = [[t["reply"] for t in r["turns"]] for r in runs]
     assert replies[0] == replies[1] and replies[0] != replies[2] and all(replies[0])
     assert (runs[0]["temperature"], runs[0]["seed"], runs[2]["seed"]) == (1.0, 0, 1)

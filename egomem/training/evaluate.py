@@ -115,7 +115,8 @@ def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dia
     """Run held-out `streams` (their dialogs: `dialogs[DialogLayout.index]`) through the engine and judge
     each Level-1 and Level-2 turn (module docstring). `use_memory=False` is the empty-MemChunk peer. An engine
     is used as it is (its free slots step together); for an LMModel one is built (`batch`, `l1_steps`, `l2_steps`).
-    A sampling engine (temperature > 0) draws from torch's generator, seeded here with `seed`: a run repeats.
+    A sampling engine (temperature > 0) draws from torch's generator, seeded here with `seed` (in a fork of its
+    state): a run repeats.
     Returns the condition's report: Fact Scores, query-word scores, Answer Quality and per-turn records."""
     engine = _engine(lm_or_engine, batch, l1_steps, l2_steps)
     pool = DialogStreamPool(engine, tokenizer, ttl_s=float("inf"))
@@ -128,14 +129,16 @@ def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dia
     width = len(engine.free)
     if width == 0:
         raise EvalError("the engine has no free stream slot: close its streams or pass an LMModel")
-    torch.manual_seed(seed)
     t0 = time.perf_counter()
-    try:
-        for g in range(0, len(runs), width):
-            _drive(pool, runs[g:g + width], memory, tokenizer, use_memory, n1, n2, max_query_chars, stats)
-    finally:  # a failed run leaves no slot taken (END frees them when all goes well)
-        for r in runs:
-            pool.close(r.sid)
+    cuda = [engine.device] if torch.device(engine.device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # seeded draws here; the caller's generator state is left as it was
+        torch.manual_seed(seed)
+        try:
+            for g in range(0, len(runs), width):
+                _drive(pool, runs[g:g + width], memory, tokenizer, use_memory, n1, n2, max_query_chars, stats)
+        finally:  # a failed run leaves no slot taken (END frees them when all goes well)
+            for r in runs:
+                pool.close(r.sid)
     seconds = time.perf_counter() - t0
     records = []
     for run in runs:
