@@ -36,6 +36,7 @@ from .ws import chat
 
 log = logging.getLogger(__name__)
 STREAMS_CLOSE_S = 5.0
+STORE_CLOSE_WAIT_S = 5.0  # at shutdown, how long store calls still running in worker threads get to return
 CHANGE_FEED_READY_S = 10.0  # at start, how long to wait for the change feed to listen before serving anyway  # at shutdown, open chats get this long to flush their memory and end their sequences
 
 
@@ -65,9 +66,15 @@ async def services_ctx(app: web.Application) -> AsyncIterator[None]:
         perception.close()
     await replicas.close()
     # A task cancelled above (the change applier's heartbeat) cancels its await, not the store call its worker
-    # thread is running: wait for every such call to return before the store closes its connections under it
-    # (closing a SQLite connection in use segfaults). The loop is ending, so its default executor can go too.
-    await asyncio.get_running_loop().shutdown_default_executor()
+    # thread is running: give such calls STORE_CLOSE_WAIT_S to return before the store closes its connections
+    # under them (closing a SQLite connection in use segfaults). Bounded: a thread that only ends once the store
+    # closes must not hold shutdown forever. The loop is ending, so its default executor can go too.
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.get_running_loop().shutdown_default_executor()),
+                               STORE_CLOSE_WAIT_S)
+    except TimeoutError:
+        log.warning("orchestrator: store calls still running after %.0f s; closing the store anyway",
+                    STORE_CLOSE_WAIT_S)
     store.close()
 
 
