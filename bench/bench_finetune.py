@@ -22,8 +22,11 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
         --drill-span 100 180 --lr 2e-3 --steps 1200 --served-fps --work runs/bench_ft_backbone \
         --out bench/results/bench_finetune_backbone.json          # from a backbone that copies (below)
     python bench/bench_finetune.py --copy-backbone 600 --fresh-names 1 --drills 0.2 --drill-random-l1 0.5 \
-        --drill-span 100 180 --lr 2e-3 --steps 1200 --served-fps --work runs/bench_ft_drills02 \
-        --out bench/results/bench_finetune_backbone_drills02.json # the README model card: a fifth drills
+        --drill-span 100 180 --lr 2e-3 --steps 1200 --served-fps --work runs/bv \
+        --out bench/results/bench_finetune_voices.json            # the README model card: a fifth drills
+        (bench_finetune_backbone_drills02.json: the same before the corpus had 192 training voices)
+    ... the same ... --own-questions 2,3 --turn-head-weight 4 --work runs/bq \
+        --out bench/results/bench_finetune_heads.json             # denser answers, reply heads weighted x4
 
 --copy-backbone N first trains the tiny preset for N steps on synthetic reading drills only
 (`egomem train-backbone`: letter words, random speech codes, never a dialog or a name of the corpus;
@@ -75,6 +78,8 @@ def main() -> int:
     p.add_argument("--train-households", type=int, default=400)
     p.add_argument("--train-levels", default="1", help="dialog levels to train on (the issue's run: 1; '1,2' adds "
                    "Level-2 query and response samples)")
+    p.add_argument("--own-questions", default="1,2", help="egomem make-corpus --own-questions for the training "
+                   "corpus (min,max Level-1 questions in the main user's dialog); the held-out corpus keeps 1,2")
     p.add_argument("--heldout-households", type=int, default=16)
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--batch-size", type=int, default=4)
@@ -90,6 +95,7 @@ def main() -> int:
     p.add_argument("--drills", type=float, default=0.0, help="egomem finetune --drills")
     p.add_argument("--drill-random-l1", type=float, default=0.0, help="egomem finetune --drill-random-l1")
     p.add_argument("--drill-span", type=int, nargs=2, default=(24, 120), help="egomem finetune --drill-span")
+    p.add_argument("--turn-head-weight", type=float, default=1.0, help="egomem finetune --turn-head-weight")
     p.add_argument("--served-fps", action="store_true", help="also time dialog_lm on a real tritonserver")
     p.add_argument("--temperature", type=float, default=0.5, help="also evaluate sampled at this temperature, beside "
                    "greedy (0: greedy only)")
@@ -107,7 +113,8 @@ def main() -> int:
     if not (train / "manifest.json").exists():
         times["make_corpus_train_s"] = egomem("make-corpus", "--out", str(train), "--households",
                                               str(args.train_households), "--split", "train", "--seed",
-                                              str(args.seed), "--levels", args.train_levels, "--generator", "template")
+                                              str(args.seed), "--levels", args.train_levels, "--generator", "template",
+                                              "--own-questions", args.own_questions)
     if not (heldout / "manifest.json").exists():
         times["make_corpus_heldout_s"] = egomem("make-corpus", "--out", str(heldout), "--households",
                                                 str(args.heldout_households), "--split", "heldout", "--seed",
@@ -120,7 +127,8 @@ def main() -> int:
                                      str(args.threads), "--eval-data", str(heldout), "--eval-every", "100",
                                      "--fresh-names", str(args.fresh_names), "--drills", str(args.drills),
                                      "--drill-random-l1", str(args.drill_random_l1),
-                                     "--drill-span", *map(str, args.drill_span), *resume,
+                                     "--drill-span", *map(str, args.drill_span),
+                                     "--turn-head-weight", str(args.turn_head_weight), *resume,
                                      *(["--weights", str(args.init_weights)] if args.init_weights else []))
     eval_args = ["eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"), "--name",
                  "finetuned", "--peer-empty", "--peer", f"before fine-tuning={args.init_weights or 'random'}",

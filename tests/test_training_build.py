@@ -16,9 +16,12 @@ def test_make_corpus_writes_a_heldout_level1_dataset(tmp_path, monkeypatch, caps
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)  # auto = templates without a key
     out = tmp_path / "ds"
     assert main(["make-corpus", "--out", str(out), "--households", "1", "--split", "heldout", "--levels", "1",
-                 "--no-noised", "--seed", "3"]) == 0
+                 "--no-noised", "--seed", "3", "--own-questions", "2,2"]) == 0
     ds = Dataset(out)
     assert ds.manifest["n1"] == 512 and ds.manifest["n2"] == 256 and ds.manifest["tokenizer"] == "byte"
+    assert ds.manifest["corpus_options"] == {"own_questions": [2, 2]}
+    main_dialog = next(d for d in ds.dialogs if d.user_id == ds.households[0].main.user_id and d.level == 1)
+    assert sum(t.user != "" and t.level == 1 for t in main_dialog.turns) == 2
     assert ds.samples and {s.kind for s in ds.samples} == {"l1_response"}
     assert {s.generator for s in ds.samples} == {"template:v1"} and "template:v1" in capsys.readouterr().out
     assert all(s.meta["split"] == "heldout" and not s.meta["noised"] for s in ds.samples)
@@ -39,4 +42,8 @@ def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypa
         main(["make-corpus", "--out", str(tmp_path / "a"), "--generator", "llm"])
     with pytest.raises(SystemExit, match="--levels takes 0, 1 and/or 2"):
         main(["make-corpus", "--out", str(tmp_path / "b"), "--levels", "1,3"])
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(SystemExit, match="--own-questions takes min,max"):
+        main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "3"])
+    with pytest.raises(SystemExit, match="--own-questions needs 0 <= min <= max"):
+        main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "2,1"])
+    assert not any((tmp_path / x).exists() for x in "abc")

@@ -136,6 +136,24 @@ def test_households_have_three_to_five_related_people(train):
         assert h.main.facts and h.main.preferences and h.main.summary
 
 
+def test_own_questions_sets_the_main_users_level1_answers(train):
+    households, dialogs = train
+
+    def main_level1(ds, hs):  # the first dialog of each household: the main user's Level-1 dialog
+        mains = {h.main.user_id for h in hs}
+        return [d for d in ds if d.level == 1 and d.user_id in mains and d.turns[0].user == ""][:len(hs)]
+
+    default = [len(d.turns) - 1 for d in main_level1(dialogs, households)]  # minus the greeting
+    assert set(default) <= {1, 2, 3} and {1, 2} <= set(default)  # 1-2 questions (+1 when mixed with an instruction)
+    hs, ds = make_corpus(40, "train", 7, own_questions=(3, 3))
+    assert [h.main for h in hs] == [h.main for h in households[:40]]  # the same people, only the dialogs change
+    dense = main_level1(ds, hs)
+    assert all(sum(t.level == 1 and t.user != "" for t in d.turns) == 3 for d in dense)
+    assert all(len({t.user for t in d.turns}) == len(d.turns) for d in dense)  # three different questions
+    with pytest.raises(ValueError, match="own_questions"):
+        make_corpus(2, "train", 7, own_questions=(2, 1))
+
+
 def test_level2_turns_query_edges_of_their_household(train):
     households, dialogs = train
     by_main = {h.main.user_id: h for h in households}

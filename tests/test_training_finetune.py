@@ -30,7 +30,7 @@ from egomem.training.finetune import (
     run_finetune,
     train,
 )
-from egomem.training.forward import forward, masked_loss
+from egomem.training.forward import forward, masked_loss, turn_heads
 from egomem.training.types import Sample, Span
 
 TINY = dict(dim=64, num_heads=2, num_layers=2, card=32, text_card=260, context=64, depformer_dim=32,
@@ -144,6 +144,28 @@ def test_loss_reads_only_masked_frames_and_padding_is_invisible(lm):
         ref = forward(lm, alone.chunks, alone.stream)
     L = alone.lengths[0]
     torch.testing.assert_close(out.text_logits[0, :L].detach(), ref.text_logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_turn_head_weight_scales_the_first_tokens_of_each_utterance(lm):
+    row = torch.tensor([[3, 3, 10, 11, 12, 13, 3, 3, 20, 21, 3, 30]])
+    assert turn_heads(row, 3, 2).int().tolist() == [[0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 1]]
+    a = _sample(0, "Ada", T=30, at=8)  # "hi Ada!" at text frames 8..14, supervised 6..15 (pads around it)
+    batch = make_batch(lm, TOK, [a], N1, N2)
+
+    def text_grad(weight: float) -> torch.Tensor:
+        with no_compile():
+            out = forward(lm, batch.chunks, batch.stream)
+        out.text_logits.retain_grad()
+        masked_loss(out, batch.text_mask, batch.speak_mask, TOK.pad_id, 0.5, 100.0, weight, 3)[0].backward()
+        lm.zero_grad()
+        return out.text_logits.grad[0].abs().sum(-1)
+
+    plain, heads = text_grad(1.0), text_grad(4.0)
+    ratio = heads[batch.text_mask[0]] / plain[batch.text_mask[0]]
+    frames = batch.text_mask[0].nonzero().flatten().tolist()
+    boosted = [f for f, r in zip(frames, ratio.tolist()) if r > 1.5]
+    assert boosted == [8, 9, 10]  # "hi " only: the first 3 bytes of the reply
+    torch.testing.assert_close(ratio[[frames.index(f) for f in boosted]] / ratio[0], torch.full((3,), 4.0))
 
 
 def test_bad_samples_name_themselves(lm):
@@ -334,6 +356,8 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         finetune(_cfg(tmp_path, "z"), data, progress=False)
     with pytest.raises(FileNotFoundError, match="--resume: no checkpoint"):
         finetune(_cfg(tmp_path, "w", resume=True), _data(), progress=False)
+    with pytest.raises(ValueError, match="turn_head_weight must be positive"):
+        finetune(_cfg(tmp_path, "v", turn_head_weight=0.0), _data(), progress=False)
 
 
 def test_cli_trains_the_tiny_preset_from_a_dataset_folder(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ from egomem.config import load_config
 from egomem.dialog.tokenizer import load_tokenizer
 from egomem.trigger.codec import build_codec
 
-from .corpus import GENERATOR, make_corpus
+from .corpus import GENERATOR, OWN_QUESTIONS, make_corpus
 from .corpus_llm import configured_client, make_llm_corpus
 from .dataset import build_dataset
 from .memory_text import MemoryTexts
@@ -33,6 +33,9 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                    help="who writes the dialogs; auto = the [llm] endpoint when its key is set, else templates")
     p.add_argument("--levels", default="0,1,2", help="dialog levels to keep: 0 general, 1 profile, 2 relation graph")
     p.add_argument("--dialogs-per-stream", default="2,4", help="min,max dialogs concatenated into one stream")
+    p.add_argument("--own-questions", default=",".join(map(str, OWN_QUESTIONS)),
+                   help="min,max questions about their own profile in the main user's Level-1 dialog (template "
+                        "generator; more gives a model more answers to learn from per stream)")
     p.add_argument("--no-noised", action="store_true", help="skip the noised copy of each stream")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the codec (1 is fastest on small CPUs)")
 
@@ -46,11 +49,15 @@ def run_build(args: argparse.Namespace) -> int:
     if not levels <= {0, 1, 2}:
         raise SystemExit(f"--levels takes 0, 1 and/or 2, got {args.levels!r}")
     lo, hi = (int(x) for x in args.dialogs_per_stream.split(","))
+    own = _pair(args.own_questions, "--own-questions")
     client = None if args.generator == "template" else configured_client(cfg)
     if args.generator == "llm" and client is None:
         raise SystemExit("--generator llm needs an [llm] endpoint with an API key (see README 'Configuration')")
+    if client is not None and own != OWN_QUESTIONS:
+        raise SystemExit("--own-questions shapes the template generator's dialogs; with an LLM endpoint configured "
+                         "add --generator template, or drop --own-questions")
     if client is None:
-        households, dialogs = make_corpus(args.households, args.split, args.seed)
+        households, dialogs = make_corpus(args.households, args.split, args.seed, own)
         print(f"{len(dialogs)} dialogs from {GENERATOR}")
     else:
         households, dialogs, rejected = make_llm_corpus(args.households, args.split, args.seed, client)
@@ -63,9 +70,21 @@ def run_build(args: argparse.Namespace) -> int:
         ds = build_dataset(args.out, households, dialogs, texts, codec, args.seed, dialogs_per_stream=(lo, hi),
                            n1=cfg.dialog.l1_steps, n2=cfg.dialog.l2_steps, noised=not args.no_noised,
                            tokenizer=load_tokenizer(cfg.dialog.tokenizer),
-                           tokenizer_name=str(cfg.dialog.tokenizer or "byte"))
+                           tokenizer_name=str(cfg.dialog.tokenizer or "byte"),
+                           corpus_options={"own_questions": list(own)} if client is None else None)
     print(f"wrote {args.out}: {ds.manifest.get('counts')}")
     return 0
+
+
+def _pair(text: str, flag: str) -> tuple[int, int]:
+    """"1,2" -> (1, 2), refused unless two integers 0 <= min <= max."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{flag} takes min,max (two integers, e.g. 1,2), got {text!r}") from None
+    if not 0 <= lo <= hi:
+        raise SystemExit(f"{flag} needs 0 <= min <= max, got {text!r}")
+    return lo, hi
 
 
 def main(argv: list[str] | None = None) -> int:

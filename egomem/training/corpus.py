@@ -28,6 +28,7 @@ from egomem.training.vocab import FACT_KINDS, Pools, article, fact_kind, general
 GENERATOR = "template:v1"
 MAX_REPLY_CHARS = 60  # ~5 s of text steps at one byte per 80 ms step
 MAX_GREETING_CHARS = 40
+OWN_QUESTIONS = (1, 2)  # questions about their own profile in the main user's Level-1 dialog (min, max)
 SUMMARY = "Talked about {}."  # how a summary line reads in the profile
 _KIN_WORDS = frozenset(("sister brother mother father son daughter cousin aunt uncle grandmother grandfather niece "
                         "nephew twin mum dad grandma grandpa stepbrother stepsister").split())
@@ -232,9 +233,11 @@ def _general(rng: random.Random) -> Turn:
     return Turn(q, a, 0)
 
 
-def make_dialogs(household: Household, rng: random.Random) -> list[Dialog]:
-    """The dialogs of one household: Level 1 with the main user (and some related people), Level 2
-    about the main user's relation graph, Level 0 general instructions."""
+def make_dialogs(household: Household, rng: random.Random, own_questions: tuple[int, int] = OWN_QUESTIONS
+                 ) -> list[Dialog]:
+    """The dialogs of one household: Level 1 with the main user (a greeting, then `own_questions` (min, max)
+    questions about their profile; some related people too), Level 2 about the main user's relation graph,
+    Level 0 general instructions."""
     h, out = household, []
 
     def dialog(user: Profile, turns: list[Turn]) -> None:
@@ -243,7 +246,7 @@ def make_dialogs(household: Household, rng: random.Random) -> list[Dialog]:
     def pick(turns: list[Turn], k: int) -> list[Turn]:
         return rng.sample(turns, min(k, len(turns)))
 
-    main_turns = [greeting(h.main, rng), *pick(_own_turns(h, h.main), rng.randint(1, 2))]
+    main_turns = [greeting(h.main, rng), *pick(_own_turns(h, h.main), rng.randint(*own_questions))]
     dialog(h.main, main_turns + ([_general(rng)] if rng.random() < 0.25 else []))  # mixed with an instruction
     for p in h.related:
         if rng.random() < 0.5:
@@ -258,9 +261,12 @@ def make_dialogs(household: Household, rng: random.Random) -> list[Dialog]:
     return out
 
 
-def make_corpus(n: int, split: Split, seed: int) -> tuple[list[Household], list[Dialog]]:
+def make_corpus(n: int, split: Split, seed: int, own_questions: tuple[int, int] = OWN_QUESTIONS
+                ) -> tuple[list[Household], list[Dialog]]:
     """`n` households of `split` and all their dialogs (each household's dialogs from its own RNG)."""
+    if not 0 <= own_questions[0] <= own_questions[1]:
+        raise ValueError(f"own_questions must be 0 <= min <= max, got {own_questions}")
     households = make_households(n, split, seed)
     dialogs = [d for i, h in enumerate(households)
-               for d in make_dialogs(h, random.Random(f"egomem-dialogs/{split}/{seed}/{i}"))]
+               for d in make_dialogs(h, random.Random(f"egomem-dialogs/{split}/{seed}/{i}"), own_questions)]
     return households, dialogs

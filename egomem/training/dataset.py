@@ -200,9 +200,11 @@ def build_dataset(out_dir: Path, households: Sequence[Household], dialogs: Seque
                   codec: torch.nn.Module, seed: int, streams_per_household: int | None = None,
                   dialogs_per_stream: tuple[int, int] = (2, 4), spec: StreamSpec | None = None,
                   tokenizer: TextTokenizer | None = None, tokenizer_name: str = "byte", n1: int = 512, n2: int = 256,
-                  noised: bool = True, progress: bool = True) -> Dataset:
+                  noised: bool = True, progress: bool = True, corpus_options: dict[str, Any] | None = None
+                  ) -> Dataset:
     """Corpus -> streams (+ noised copies) -> samples -> `out_dir`. Each household's dialogs are cut into
-    streams of `dialogs_per_stream` dialogs (at most `streams_per_household` streams each, None: all)."""
+    streams of `dialogs_per_stream` dialogs (at most `streams_per_household` streams each, None: all).
+    `corpus_options`: how the dialogs were generated (make-corpus's options), recorded in the manifest."""
     from tqdm import tqdm
 
     from egomem.trigger.codec import codec_fingerprint
@@ -233,7 +235,7 @@ def build_dataset(out_dir: Path, households: Sequence[Household], dialogs: Seque
     s = builder.spec
     manifest = {
         "n1": n1, "n2": n2, "tokenizer": tokenizer_name, "codec": codec_fingerprint(codec), "seed": seed,
-        "generators": dict(Counter(d.generator for d in dialogs)),
+        "generators": dict(Counter(d.generator for d in dialogs)), "corpus_options": corpus_options or {},
         "counts": {"frames": frames, "dropped_turns": dropped, "noised_streams": len(groups) if noised else 0},
         "spec": asdict(s), "dialogs_per_stream": list(dialogs_per_stream),
         "streams_per_household": streams_per_household,

@@ -71,6 +71,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # moshi-finetune's max_norm
     text_pad_weight: float = 0.5  # moshi-finetune's text_padding_weight
     first_codebook_weight: float = 100.0  # moshi-finetune's first_codebook_weight_multiplier
+    turn_head_weight: float = 1.0  # text loss weight of each utterance's first turn_head_tokens (forward.turn_heads)
+    turn_head_tokens: int = 8  # ~ the reply's first two words ("You live", "Hey Ada!")
     lora: bool = False  # train LoRA adapters only (moshi-finetune's default for 7B); full fine-tuning otherwise
     lora_rank: int = 128  # moshi-finetune
     lora_alpha: float = 256.0  # scaling = alpha / rank = 2, moshi-finetune's lora.scaling
@@ -157,6 +159,9 @@ def _check_config(cfg: TrainConfig) -> None:
         bad.append(f"warmup must be in [0, steps] (got {cfg.warmup})")
     if cfg.stop_after is not None and cfg.stop_after <= 0:
         bad.append(f"stop_after must be positive (got {cfg.stop_after})")
+    if cfg.turn_head_weight <= 0 or cfg.turn_head_tokens < 0:
+        bad.append(f"turn_head_weight must be positive and turn_head_tokens >= 0 (got {cfg.turn_head_weight}, "
+                   f"{cfg.turn_head_tokens})")
     bad += drill_mix(cfg).check()
     if bad:
         raise ValueError("bad fine-tuning config: " + "; ".join(bad))
@@ -304,7 +309,9 @@ class _Trainer:
         state = torch.load(path, map_location=self.device, weights_only=False)
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"{path} is not an egomem finetune checkpoint ({state.get('format')!r})")
-        old, new = state["config"], _config_json(self.cfg)
+        # a setting added since the checkpoint was written counts as its default (what that run used)
+        old = {**_config_json(TrainConfig(data=self.cfg.data, out=self.cfg.out)), **state["config"]}
+        new = _config_json(self.cfg)
         changed = sorted(k for k in new if k not in RESUME_FREE and old.get(k) != new[k])
         if changed:
             raise ValueError(f"cannot resume {path}: the run was made with other settings for "
@@ -325,10 +332,12 @@ class _Trainer:
         _set_rng_state(state["rng"])
         self.step = state["step"]
 
-    def _loss(self, samples: list[Sample], source: DataSource, drills: bool = False
+    def _loss(self, samples: list[Sample], source: DataSource, training: bool = False
               ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The masked loss of `samples`; `training`: with the row transforms (drills) and the turn-head weight
+        (an evaluation scores the plain loss, comparable between runs)."""
         items = [(s, source.tokens(s.stream)) for s in samples]
-        if drills and self.drills.active:
+        if training and self.drills.active:
             # one generator per (seed, step, row): a resumed run draws what an uninterrupted one would
             items = [self.drills.apply(s, t, random.Random(f"{self.cfg.seed}/{self.step}/{i}"), self.window,
                                        self.n1)
@@ -336,14 +345,15 @@ class _Trainer:
         batch = make_batch(self.lm, self.tokenizer, items, self.n1, self.n2, self.window).to(self.device)
         with no_compile():
             out = forward(self.lm, batch.chunks, batch.stream)
+        heads = (self.cfg.turn_head_weight, self.cfg.turn_head_tokens) if training else (1.0, 0)
         return masked_loss(out, batch.text_mask, batch.speak_mask, self.lm.text_padding_token_id,
-                           self.cfg.text_pad_weight, self.cfg.first_codebook_weight)
+                           self.cfg.text_pad_weight, self.cfg.first_codebook_weight, *heads)
 
     def train_step(self) -> dict[str, float]:
         """One optimiser step on the next batch of the sample order."""
         samples = [self.data.samples[i] for i in self.order.take(self.cfg.batch_size)]
         lr = self.sched.get_last_lr()[0]
-        loss, parts = self._loss(samples, self.data, drills=True)
+        loss, parts = self._loss(samples, self.data, training=True)
         loss.backward()
         if self.mixed:
             for m, p in zip(self.masters, self.params):
@@ -486,10 +496,12 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", dest="init_weights", type=Path, help="Moshi safetensors to start from (default: "
                    "dialog.weights; unset = the preset's seeded random init)")
     helps = {"lr": f"peak learning rate (default {d.lr}; 7B LoRA: ~2e-6)", "min_lr": "the cosine schedule's floor",
+             "turn_head_weight": "text loss weight of each utterance's first --turn-head-tokens tokens (where the "
+                                 "reply is chosen; 1 = off)",
              "threads": "torch CPU threads (0 = torch's default)", "ckpt_every": "steps between resumable checkpoints"}
     for name in ("steps", "batch_size", "lr", "min_lr", "weight_decay", "grad_clip", "text_pad_weight",
-                 "first_codebook_weight", "lora_rank", "lora_alpha", "seed", "eval_every", "eval_samples",
-                 "ckpt_every", "threads"):
+                 "first_codebook_weight", "turn_head_weight", "turn_head_tokens", "lora_rank", "lora_alpha", "seed",
+                 "eval_every", "eval_samples", "ckpt_every", "threads"):
         default = getattr(d, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=helps.get(name))
     p.add_argument("--warmup", type=int, help="warmup steps (default: 5%% of --steps)")

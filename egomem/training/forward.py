@@ -74,18 +74,33 @@ def forward(lm: LMModel, chunks: torch.Tensor, stream: torch.Tensor) -> ForwardO
     return ForwardOut(text_logits[:, 0, C:], audio_logits, targets, valid, list(lm.delays))
 
 
+def turn_heads(text: torch.Tensor, pad_id: int, n: int) -> torch.Tensor:
+    """Bool `[B, T]`: the first `n` tokens of every run of non-pad text tokens (where an utterance starts:
+    "You live", "Hey Ada": what to say is decided there, the rest follows from it)."""
+    B, T = text.shape
+    spoken = text != pad_id
+    starts = spoken & ~F.pad(spoken, (1, 0))[:, :T]
+    t = torch.arange(T, device=text.device).expand(B, T)
+    last_start = torch.where(starts, t, torch.full_like(t, -T)).cummax(dim=1).values
+    return spoken & (t - last_start < n)
+
+
 def masked_loss(out: ForwardOut, text_mask: torch.Tensor, speak_mask: torch.Tensor, text_pad_id: int,
-                text_pad_weight: float = 0.5, first_codebook_weight: float = 1.0
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                text_pad_weight: float = 0.5, first_codebook_weight: float = 1.0, turn_head_weight: float = 1.0,
+                turn_head_tokens: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
     """Cross-entropy over supervised frames (moshi-finetune's loss: text + audio codebooks, text pad
     down-weighted). text_mask / speak_mask: `[B, T]` over *frames*; a speak codebook's target at tick t
-    is frame t - d_k, so its mask is read at that frame. Returns (loss, parts for logging)."""
+    is frame t - d_k, so its mask is read at that frame. `turn_head_weight` multiplies the text loss of
+    the first `turn_head_tokens` tokens of each utterance (`turn_heads`), as moshi-finetune's first-codebook
+    weight does for the semantic token: where the reply is chosen. Returns (loss, parts for logging)."""
     B, T, V = out.text_logits.shape
     tgt = out.targets
     tm = text_mask & out.valid[:, 0]
     ce = F.cross_entropy(out.text_logits.reshape(-1, V).float(), tgt[:, 0].reshape(-1).clamp_min(0),
                          reduction="none").view(B, T)
     w = torch.where(tgt[:, 0] == text_pad_id, text_pad_weight, 1.0) * tm
+    if turn_head_weight != 1.0 and turn_head_tokens > 0:
+        w = w * torch.where(turn_heads(tgt[:, 0], text_pad_id, turn_head_tokens), turn_head_weight, 1.0)
     text_loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
     Ka, card = out.audio_logits.shape[1], out.audio_logits.shape[-1]
     audio_num = out.audio_logits.new_zeros(())
