@@ -39,9 +39,11 @@ def silenced(tokens: np.ndarray) -> np.ndarray:
 
 @torch.no_grad()
 def score(lm, tok, ds: Dataset, samples, transform, window: int) -> dict[str, dict[str, float]]:
-    """Mean text CE and greedy accuracy over reply bytes, greetings and answers apart."""
+    """Mean text CE and greedy accuracy over reply bytes, greetings and answers apart, and over the answers'
+    heads (their first two words, "You live", "Your favourite": where the kind asked is decided)."""
     layouts = {lay.stream: lay for lay in ds.layouts}
-    acc: dict[str, list[tuple[float, bool]]] = {"greetings": [], "answers": []}
+    acc: dict[str, list[tuple[float, bool]]] = {"greetings": [], "answers": [], "answer heads": []}
+    space = tok.encode(" ")[0]
     for s in samples:
         tokens = transform(ds.tokens(s.stream))
         b = make_batch(lm, tok, [(s, tokens)], ds.manifest["n1"], ds.manifest["n2"], window)
@@ -52,10 +54,15 @@ def score(lm, tok, ds: Dataset, samples, transform, window: int) -> dict[str, di
         hit = logits.argmax(-1) == target
         for u in layouts[s.stream].dialogs[s.dialog].turns:
             part = "greetings" if u.user_start == u.user_end else "answers"
+            reply = tokens[0, u.reply_text_start:u.reply_text_end].tolist()
+            spaces = [i for i, x in enumerate(reply) if x == space]
+            head = spaces[1] if len(spaces) > 1 else len(reply)  # "You live", "Your favourite": the kind asked
             for f in range(u.reply_text_start, u.reply_text_end):
                 t = f - b.crop_start[0]
                 if 0 <= t < b.lengths[0] and b.text_mask[0, t] and int(target[t]) != tok.pad_id:
                     acc[part].append((float(ce[t]), bool(hit[t])))
+                    if part == "answers" and f - u.reply_text_start < head:
+                        acc["answer heads"].append((float(ce[t]), bool(hit[t])))
     return {k: {"ce": float(np.mean([c for c, _ in v])), "acc": float(np.mean([h for _, h in v])), "bytes": len(v)}
             for k, v in acc.items() if v}
 
