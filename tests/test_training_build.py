@@ -46,4 +46,6 @@ def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypa
         main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "3"])
     with pytest.raises(SystemExit, match="--own-questions needs 0 <= min <= max"):
         main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "2,1"])
+    with pytest.raises(SystemExit, match="--dialogs-per-stream takes min,max"):
+        main(["make-corpus", "--out", str(tmp_path / "c"), "--dialogs-per-stream", "two"])
     assert not any((tmp_path / x).exists() for x in "abc")

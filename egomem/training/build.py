@@ -48,7 +48,7 @@ def run_build(args: argparse.Namespace) -> int:
     levels = {int(x) for x in args.levels.split(",") if x.strip()}
     if not levels <= {0, 1, 2}:
         raise SystemExit(f"--levels takes 0, 1 and/or 2, got {args.levels!r}")
-    lo, hi = (int(x) for x in args.dialogs_per_stream.split(","))
+    lo, hi = _pair(args.dialogs_per_stream, "--dialogs-per-stream")
     own = _pair(args.own_questions, "--own-questions")
     client = None if args.generator == "template" else configured_client(cfg)
     if args.generator == "llm" and client is None:
