@@ -35,9 +35,9 @@ from .services import CONFIG, METRICS, SERVICES, Services
 from .ws import chat
 
 log = logging.getLogger(__name__)
-STREAMS_CLOSE_S = 5.0
+STREAMS_CLOSE_S = 5.0  # at shutdown, open chats get this long to flush their memory and end their sequences
 STORE_CLOSE_WAIT_S = 5.0  # at shutdown, how long store calls still running in worker threads get to return
-CHANGE_FEED_READY_S = 10.0  # at start, how long to wait for the change feed to listen before serving anyway  # at shutdown, open chats get this long to flush their memory and end their sequences
+CHANGE_FEED_READY_S = 10.0  # at start, how long to wait for the change feed to listen before serving anyway
 
 
 async def services_ctx(app: web.Application) -> AsyncIterator[None]:
