@@ -88,21 +88,24 @@ def test_masks_exact_spans_on_a_hand_made_layout():
     assert kinds == [("l1_response", 0, 0), ("l1_response", 1, 0), ("l2_query", 1, 1), ("l2_response", 1, 1),
                      ("l2_query", 1, 2), ("l2_response", 1, 2), ("l1_response", 2, 0)]
     a, b, q1, r1, q2, r2, c = got
-    # Level-1 response: that dialog only, from its first turn's start to where the model stops after its last reply
-    assert a.text == a.speak == spans((3, 40)) and (a.l1_text, a.l2_text) == ("Ada: plays tennis in Lisbon", "")
+    # Level-1 response: that dialog only, from its first turn's start to where the model stops after its last
+    # reply, and through the silence after the dialog's last turn up to the next dialog's start
+    assert a.text == a.speak == spans((3, 60)) and (a.l1_text, a.l2_text) == ("Ada: plays tennis in Lisbon", "")
     assert b.text == spans((60, 80)) and b.l1_text == "Bob: works as a nurse" and b.l2_text == ""  # no L2 turns
-    assert c.text == spans((200, 230)) and c.l1_text == "Cleo: is a vet" and c.meta["level"] == 0  # general: profile in view
+    assert c.text == spans((200, 234)) and c.l1_text == "Cleo: is a vet" and c.meta["level"] == 0  # to the stream's end
     # Level-2 query words: from the user's audio start to the end of the query, the previous context in view
     assert q1.text == q1.speak == spans((85, 110)) and q1.l2_text == ""
     assert q2.text == q2.speak == spans((130, 160)) and q2.l2_text == texts.l2("bob", Q1)  # what turn 1 retrieved
     # Level-2 response: from the end of the query to where the model stops, L2 = retrieval for the gt query
     assert r1.text == r1.speak == spans((110, 125)) and r1.l2_text == "bob's sister: Cleo, is a vet"
-    assert r2.text == spans((160, 180)) and r2.l2_text == texts.l2("bob", Q2)
+    assert r2.text == spans((160, 200)) and r2.l2_text == texts.l2("bob", Q2)  # the dialog's last turn: to C's start
     assert {s.l1_text for s in (b, q1, r1, q2, r2)} == {"Bob: works as a nurse"}
-    # spans stay inside their own dialog; samples carry who made the dialog and where it came from
+    # spans stay inside their own dialog and the silence after it; samples carry who made the dialog and where
+    # it came from
+    ends = [60, 200, 234]
     for s in got:
         d = LAYOUT.dialogs[s.dialog]
-        assert all(d.start <= sp.start < sp.end <= d.end for sp in s.text + s.speak)
+        assert all(d.start <= sp.start < sp.end <= ends[s.dialog] for sp in s.text + s.speak)
         assert s.generator == CORPUS[d.index].generator and s.meta["corpus_dialog"] == d.index
         assert s.meta["noised"] is False and s.meta["split"] == "train" and s.stream == "hand"
     assert count_kinds(got) == {"l1_response": 3, "l2_query": 2, "l2_response": 2}  # N + 2 * sum T
@@ -120,7 +123,7 @@ def test_level1_stream_of_n_dialogs_gives_n_samples():
     got = stream_samples(lay, dialogs, HouseTexts())
     assert [s.kind for s in got] == ["l1_response"] * 4 and [s.dialog for s in got] == [0, 1, 2, 3]
     for i, s in enumerate(got):
-        assert s.text == spans((100 * i, 100 * i + 60))
+        assert s.text == spans((100 * i, 100 * i + 100))  # the dialog and the silence up to the next one
         assert s.l1_text == HouseTexts().l1(dialogs[i].user_id)
     masks = np.stack([frame_mask(s.text, 400) for s in got])
     assert masks.sum(0).max() == 1  # no frame is supervised for two dialogs
@@ -156,7 +159,13 @@ def test_masks_on_a_built_stream_hold_exactly_the_words_they_teach(codec):
             plain = [u for u in d.turns if dialog.turns[u.turn].query is None]
             said = [t for u in plain for t in ids(dialog.turns[u.turn].reply)[:u.reply_text_end - u.reply_text_start]]
             assert [t for span in s.text for t in words(span)] == said and said  # replies cut where interrupted
-            assert s.text[0].start == plain[0].user_start and s.text[-1].end == plain[-1].reply_end
+            assert s.text[0].start == plain[0].user_start
+            if plain[-1] is d.turns[-1]:  # the silence after the dialog, to the next one (or the stream's end)
+                following = [e.start for e in stream.layout.dialogs if e.start > d.start]
+                assert s.text[-1].end == (following[0] if following else stream.layout.n_steps)
+                assert (text[plain[-1].reply_end:s.text[-1].end] == ByteTokenizer.pad_id).all()
+            else:
+                assert s.text[-1].end == plain[-1].reply_end
         else:
             u = next(u for u in d.turns if u.turn == s.turn)
             q = dialog.turns[u.turn].query
@@ -166,7 +175,9 @@ def test_masks_on_a_built_stream_hold_exactly_the_words_they_teach(codec):
             else:
                 n = u.reply_text_end - u.reply_text_start
                 assert words(s.text[0]) == ids(dialog.turns[u.turn].reply)[:n]
-                assert s.text[0].end == u.reply_end and s.text[0].start == u.query_end
+                assert s.text[0].start == u.query_end
+                assert s.text[0].end == (u.reply_end if u is not d.turns[-1] else min(
+                    [e.start for e in stream.layout.dialogs if e.start > d.start] or [stream.layout.n_steps]))
 
 
 # -- dataset ----------------------------------------------------------------------------------------------
