@@ -64,6 +64,9 @@ _OWN: dict[str, tuple[tuple[str, ...], str]] = {
     "summary": (("What did we talk about last time?", "What did we discuss before?"), "We talked about {v}."),
 }
 
+# questions about the user's name (reply with "{n}", their first name)
+_NAME_QUESTIONS = (("What is my name?", "You are {n}."), ("Do you know who I am?", "Of course, you are {n}."))
+
 # kind -> (questions about "my <r>", ground-truth keywords, reply); "{r}" relation, "{n}" their first name
 _ABOUT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "city": (("Where does my {r} live?", "Which city does my {r} live in?"), ("live", "city"),
@@ -186,15 +189,20 @@ def greeting(p: Profile, rng: random.Random) -> Turn:
     return Turn("", reply, 1, None, (n,), (v,))
 
 
-def _own_turns(h: Household, p: Profile) -> list[Turn]:
+def fixed_questions() -> tuple[str, ...]:
+    """The Level-1 questions whose words are the same for everyone ("Where do I live again?", not "Do I like
+    jazz?" or "Who is Bea?"): what the listening drills' clip bank speaks once per voice (listen.py)."""
+    return (*(q for qs, _ in _OWN.values() for q in qs if "{v}" not in q), *(q for q, _ in _NAME_QUESTIONS))
+
+
+def own_turns(h: Household, p: Profile) -> list[Turn]:
     """Level-1 questions about `p` that `p`'s profile (the L1 MemChunk) answers."""
     out = []
     for kind, v in _items(p):
         qs, reply = _OWN[kind]
         out += [Turn(_fill(q, v=v), _fill(reply, v=v), 1, None, (), (v,)) for q in qs]
     n = first_name(p)
-    out += [Turn(q, r.format(n=n), 1, None, (n,), ()) for q, r in
-            (("What is my name?", "You are {n}."), ("Do you know who I am?", "Of course, you are {n}."))]
+    out += [Turn(q, r.format(n=n), 1, None, (n,), ()) for q, r in _NAME_QUESTIONS]
     if p is h.main:  # the L1 profile lists the main user's people with their relation
         for e in h.edges:
             o = first_name(h.person(e.other))
@@ -246,11 +254,11 @@ def make_dialogs(household: Household, rng: random.Random, own_questions: tuple[
     def pick(turns: list[Turn], k: int) -> list[Turn]:
         return rng.sample(turns, min(k, len(turns)))
 
-    main_turns = [greeting(h.main, rng), *pick(_own_turns(h, h.main), rng.randint(*own_questions))]
+    main_turns = [greeting(h.main, rng), *pick(own_turns(h, h.main), rng.randint(*own_questions))]
     dialog(h.main, main_turns + ([_general(rng)] if rng.random() < 0.25 else []))  # mixed with an instruction
     for p in h.related:
         if rng.random() < 0.5:
-            dialog(p, [greeting(p, rng), *pick(_own_turns(h, p), rng.randint(0, 1))])
+            dialog(p, [greeting(p, rng), *pick(own_turns(h, p), rng.randint(0, 1))])
     graph = _graph_turns(h)
     for _ in range(2):
         turns = pick(graph, rng.randint(1, 2))
