@@ -23,15 +23,23 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
         --out bench/results/bench_finetune_backbone.json          # from a backbone that copies (below)
     python bench/bench_finetune.py --copy-backbone 600 --fresh-names 1 --drills 0.2 --drill-random-l1 0.5 \
         --drill-span 100 180 --lr 2e-3 --steps 1200 --served-fps --work runs/bv \
-        --out bench/results/bench_finetune_voices.json            # the README model card: a fifth drills
+        --out bench/results/bench_finetune_voices.json            # a fifth of the rows drills
         (bench_finetune_backbone_drills02.json: the same before the corpus had 192 training voices)
     ... the same ... --own-questions 2,3 --turn-head-weight 4 --work runs/bq \
         --out bench/results/bench_finetune_heads.json             # denser answers, reply heads weighted x4
+    ... the same as _voices ... --listen-backbone 1600 --temperature 0.5 --work runs/ft2 \
+        --out bench/results/bench_finetune_hear.json              # the README model card: a backbone that hears
+    ... --listen-backbone 800 --listen-head-weight 1 --work runs/ft \
+        --out bench/results/bench_finetune_listen.json            # its listening stage without reply heads
 
 --copy-backbone N first trains the tiny preset for N steps on synthetic reading drills only
 (`egomem train-backbone`: letter words, random speech codes, never a dialog or a name of the corpus;
 ~8 min for 600 steps on one core), where it learns to copy from its context, and fine-tunes from that
-(docs/training.md, "A backbone that copies").
+(docs/training.md, "A backbone that copies"). --listen-backbone M then trains that backbone M steps on
+listening drills (`egomem train-backbone --task listen`: short Level-1 dialogs of other training-split
+people, the questions spoken in the training voices; ~1.2 s a step on two cores, 1,600 steps in the
+recipe) and fine-tunes from it
+(docs/training.md, "A backbone that hears").
 
 Writes bench/results/bench_finetune.json (+ .png: the loss curve and Fact Score per model) and keeps the
 datasets and the run folder under --work (delete it to start again; an existing run is resumed).
@@ -58,15 +66,15 @@ def egomem(*args: str) -> float:
     return time.perf_counter() - t0
 
 
-def copy_backbone(steps: int, out: Path, seed: int) -> float:
-    """`egomem train-backbone` for `steps` steps (a model that copies from its context), its lm.safetensors
-    copied to `out`; the wall time in seconds."""
+def copy_backbone(steps: int, out: Path, seed: int, *extra: str) -> float:
+    """`egomem train-backbone` for `steps` steps (a model that copies from its context; with `extra`, e.g.
+    `--task listen --weights ...`, another stage), its lm.safetensors copied to `out`; the wall time in seconds."""
     import shutil
 
     run = out.with_suffix("")  # the backbone's run folder (resumed when an earlier run stopped)
     resume = ["--resume"] if (run / "ckpt" / "state.pt").exists() else []
     seconds = egomem("train-backbone", "--out", str(run), "--steps", str(steps), "--seed", str(seed), "--threads",
-                     "1", "--no-progress", *resume)
+                     "1" if not extra else "2", "--no-progress", *extra, *resume)
     shutil.copyfile(run / "lm.safetensors", out)
     return seconds
 
@@ -91,6 +99,11 @@ def main() -> int:
                    "'before fine-tuning' peer is it, not the random init)")
     p.add_argument("--copy-backbone", type=int, default=0, metavar="STEPS",
                    help="first train a copying backbone for STEPS steps (module docstring) and start from it")
+    p.add_argument("--listen-backbone", type=int, default=0, metavar="STEPS",
+                   help="then train it STEPS steps on listening drills (train-backbone --task listen, batch 8) and "
+                        "start from that")
+    p.add_argument("--listen-head-weight", type=float, default=4.0,
+                   help="train-backbone --head-weight of the listening stage")
     p.add_argument("--fresh-names", type=float, default=0.0, help="egomem finetune --fresh-names (drills.py)")
     p.add_argument("--drills", type=float, default=0.0, help="egomem finetune --drills")
     p.add_argument("--drill-random-l1", type=float, default=0.0, help="egomem finetune --drill-random-l1")
@@ -109,6 +122,14 @@ def main() -> int:
         args.init_weights = w / "copy_backbone.safetensors"
         if not args.init_weights.exists():
             times["copy_backbone_s"] = copy_backbone(args.copy_backbone, args.init_weights, args.seed)
+    if args.listen_backbone:
+        if not args.copy_backbone:
+            p.error("--listen-backbone trains on from the copying backbone: give --copy-backbone too")
+        copied, args.init_weights = args.init_weights, w / "listen_backbone.safetensors"
+        if not args.init_weights.exists():
+            times["listen_backbone_s"] = copy_backbone(args.listen_backbone, args.init_weights, args.seed, "--task",
+                                                       "listen", "--weights", str(copied), "--batch-size", "8",
+                                                       "--head-weight", str(args.listen_head_weight))
     train, heldout, run = w / "train", w / "heldout", w / "run"
     if not (train / "manifest.json").exists():
         times["make_corpus_train_s"] = egomem("make-corpus", "--out", str(train), "--households",
