@@ -5,7 +5,9 @@ spans and span_match@{0,5,10} precision/recall/F1 over `--streams` held-out stre
 (clean, noised), built from held-out users' and assistant utterances (egomem.trigger.synth).
 A third condition, clean streams without user switches, shows how much of the error is telling
 two users apart across a short pause (voice only). Segmenters per condition:
-  - trigger: the shipped tagger alone;
+  - trigger: the shipped tagger alone, decoded as the labeler decodes (`trigger.short_gap_cost`);
+  - trigger_hard_gap: the same log-probabilities decoded with the hard gap rule (sessions adjacent
+    or >= `trigger.min_gap_steps` apart, `short_gap_cost = inf`), the decoding shipped before;
   - trigger+split: its sessions split where the person changes (egomem.trigger.identity_split) using
     the voice track the orchestrator would record (synth.poll_voices: a GE2E embedding of the user's
     last 3 s every 2 s, from real Resemblyzer partials cached with the codes), the identity config's
@@ -14,12 +16,17 @@ two users apart across a short pause (voice only). Segmenters per condition:
   - trigger+split_1poll: the same with `trigger.split_min_polls = 1` (one differing poll is a change);
   - peer_trigger (with `--peer-checkpoint`): another trigger checkpoint alone, e.g. the one shipped before,
     on the same streams in the same run;
+  - trigger_one_pass (long-chunk conditions only): the same tagger attending over a whole
+    8,192-step chunk at once instead of `trigger.window_steps` windows;
   - activity_peer: a rule-based activity segmenter (a step is active when the text channel carries a
     word or a listen code differs from the stream's most common code row; runs of activity closer
     than 3 s are merged into one session) — what the trigger must beat.
+Two more conditions, clean and noised streams of `trigger.max_chunk_steps` (8,192) steps (the chunk
+the memory worker labels; `--long-streams` each), compare windowed labelling with one pass.
 Each also gets an error breakdown of the gold sessions at span_match@5: matched / merged (one
 predicted span covers two gold sessions) / split / shifted / missed.
-Speed: seconds to label one 8,192-step chunk (paper: 0.08 s on an H100), median of `--repeats`.
+Speed: seconds to label one 8,192-step chunk (paper: 0.08 s on an H100), median of `--repeats`,
+windowed and in one pass.
 
     python bench/bench_trigger.py                # shipped checkpoint, held-out code cache in tests/data
     python bench/bench_trigger.py --device cuda  # the same on a GPU
@@ -39,6 +46,7 @@ import torch
 from egomem.config import REPO_ROOT, IdentityConfig, OrchestratorConfig, TriggerConfig
 from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
 from egomem.trigger import TriggerLabeler, decode_sessions
+from egomem.trigger.decode import viterbi_labels
 from egomem.trigger.identity_split import SplitRule, split_sessions
 from egomem.trigger.metrics import SHIPPED_BAR, error_breakdown, evaluate, meets_bar
 from egomem.trigger.synth import (
@@ -93,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="held-out code cache (.npz)")
     p.add_argument("--streams", type=int, default=200, help="held-out streams per condition")
     p.add_argument("--stream-steps", type=int, default=1024)
+    p.add_argument("--long-streams", type=int, default=30,
+                   help="held-out streams of trigger.max_chunk_steps (8,192) steps per condition, windowed vs one pass")
     p.add_argument("--seed", type=int, default=123)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -101,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    labeler = TriggerLabeler(TriggerConfig(checkpoint=args.checkpoint, device=args.device))
+    tcfg = TriggerConfig(checkpoint=args.checkpoint, device=args.device)
+    labeler = TriggerLabeler(tcfg)
     peer = TriggerLabeler(TriggerConfig(checkpoint=args.peer_checkpoint, device=args.device)) \
         if args.peer_checkpoint else None
     cache = CodeCache.load(args.cache)
@@ -111,22 +122,35 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"checkpoint": str(labeler.checkpoint), "cache": str(args.cache), "device": args.device,
                      "peer_checkpoint": str(peer.checkpoint) if peer else None,
                      "threads": torch.get_num_threads(), "streams_per_condition": args.streams,
-                     "stream_steps": args.stream_steps, "metrics": {}}
+                     "stream_steps": args.stream_steps,
+                     "decoding": {"min_gap_steps": tcfg.min_gap_steps, "min_session_steps": tcfg.min_session_steps,
+                                  "short_gap_cost": tcfg.short_gap_cost}, "metrics": {}}
     no_switch = StreamSpec(steps=args.stream_steps, switch_p=0.0)
     conditions = {"clean": (spec, False), "noised": (spec, True), "clean_no_user_switch": (no_switch, False)}
+    one_pass = TriggerLabeler(dataclasses.replace(tcfg, window_steps=tcfg.max_chunk_steps))  # peer: one window
+    long_spec = StreamSpec(steps=tcfg.max_chunk_steps)  # the worker's chunk: windowed vs one pass
+    long_conditions = {f"clean_{long_spec.steps}_steps": (long_spec, False),
+                       f"noised_{long_spec.steps}_steps": (long_spec, True)} if args.long_streams else {}
+    results["long_streams_per_condition"] = args.long_streams
+    results["windowing"] = {"window_steps": tcfg.window_steps, "window_overlap_steps": tcfg.window_overlap_steps}
     rule = bench_split_rule()
     one_poll = dataclasses.replace(rule, min_polls=1)  # trigger.split_min_polls = 1: fewer merges, more false splits
     results["split_rule"] = {"voice_threshold_snorm": rule.voice_threshold, "min_polls": rule.min_polls,
                              "window_steps": rule.window_steps, "cohort_rows": N_TRAIN_USERS}
     for i, (cond, (cspec, noised)) in enumerate(conditions.items()):
         rng = np.random.default_rng([args.seed, i])
-        out: dict[str, list] = {"trigger": [], "trigger+split": [], "trigger+split_1poll": [], "activity_peer": []}
+        out: dict[str, list] = {"trigger": [], "trigger_hard_gap": [], "trigger+split": [], "trigger+split_1poll": [],
+                                "activity_peer": []}
         if peer is not None:
             out["peer_trigger"] = []
         golds, polls = [], 0
         for _ in range(args.streams):
             s = synth_recorded(cache, rng, cspec, noised=noised)  # draws what synth_stream draws: same streams
-            pred = decode_sessions(labeler.label(s.tokens))
+            log_probs = labeler.log_probs(s.tokens)
+            pred = decode_sessions(viterbi_labels(log_probs, tcfg.min_gap_steps, tcfg.min_session_steps,
+                                                  tcfg.short_gap_cost))  # = labeler.label
+            out["trigger_hard_gap"].append(decode_sessions(viterbi_labels(log_probs, tcfg.min_gap_steps,
+                                                                          tcfg.min_session_steps)))
             voices = poll_voices(cache, s)
             polls += len(voices)
             out["trigger"].append(pred)
@@ -140,25 +164,40 @@ def main(argv: list[str] | None = None) -> dict:
         results["metrics"][cond] = {k: evaluate(v, golds) | {"errors@5": error_breakdown(v, golds, 5)}
                                     for k, v in out.items()}
         results["metrics"][cond]["trigger+split"]["voice_polls"] = polls
+    for i, (cond, (cspec, noised)) in enumerate(long_conditions.items()):
+        rng = np.random.default_rng([args.seed, 20 + i])
+        out = {"trigger": [], "trigger_one_pass": [], "activity_peer": []}
+        golds = []
+        for _ in range(args.long_streams):
+            tokens, _, gold = synth_stream(cache, rng, cspec, noised=noised)
+            out["trigger"].append(decode_sessions(labeler.label(tokens)))
+            out["trigger_one_pass"].append(decode_sessions(one_pass.label(tokens)))
+            out["activity_peer"].append(activity_segmenter(tokens))
+            golds.append(gold)
+        results["metrics"][cond] = {k: evaluate(v, golds) | {"errors@5": error_breakdown(v, golds, 5)}
+                                    for k, v in out.items()}
     results["bar"] = SHIPPED_BAR
     results["meets_bar"] = {c: meets_bar(results["metrics"][c]["trigger"], b) for c, b in SHIPPED_BAR.items()}
 
     # speed: one 8,192-step chunk (several streams back to back)
     rng = np.random.default_rng([args.seed, 9])
     chunk = np.concatenate([synth_stream(cache, rng, StreamSpec(steps=1024), noised=False)[0] for _ in range(8)])
-    labeler.label(chunk)  # warm-up
-    times = []
-    for _ in range(args.repeats):
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        labeler.label(chunk)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    results["label_8192_steps_s"] = {"median": float(np.median(times)), "min": float(np.min(times)),
-                                     "all": [round(x, 4) for x in times],
-                                     "real_time_factor": float(np.median(times) / (8192 * 0.08))}
+    def timed(lab: TriggerLabeler) -> dict:
+        lab.label(chunk)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            lab.label(chunk)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return {"median": float(np.median(times)), "min": float(np.min(times)), "all": [round(x, 4) for x in times],
+                "real_time_factor": float(np.median(times) / (8192 * STEP_S))}
+
+    results["label_8192_steps_s"] = timed(labeler)
+    results["label_8192_steps_one_pass_s"] = timed(one_pass)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     _print_table(results)
@@ -181,41 +220,50 @@ def _print_table(r: dict) -> None:
         f"{c} {b['jaccard']}/{b['f1@5']} {'met' if r['meets_bar'][c] else 'MISSED'}" for c, b in r["bar"].items()))
     s = r["label_8192_steps_s"]
     print(f"label 8,192 steps on {r['device']} ({r['threads']} threads): median {s['median']:.3f} s "
-          f"(paper: 0.08 s on H100); {1 / s['real_time_factor']:.0f}x faster than real time")
+          f"(paper: 0.08 s on H100); {1 / s['real_time_factor']:.0f}x faster than real time; "
+          f"in one pass instead of {r['windowing']['window_steps']}-step windows: "
+          f"{r['label_8192_steps_one_pass_s']['median']:.3f} s")
 
 
 def _plot(r: dict, path: Path) -> None:
-    """Left: Jaccard and F1@{0,5,10} per condition and segmenter. Right: what happened to the gold
-    sessions (span_match@5) per condition, trigger alone vs trigger + identity split."""
+    """Jaccard and span F1@5 per condition (x) and segmenter (one colour each), and what happened to
+    the gold sessions (span_match@5) per condition, trigger alone vs trigger + identity split."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["jaccard", "F1@0", "F1@5", "F1@10"]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [3, 2]})
-    bars = [(c, n) for c in r["metrics"] for n in r["metrics"][c]]
-    w = 0.8 / len(bars)
-    for i, (cond, name) in enumerate(bars):
-        m = r["metrics"][cond][name]
-        vals = [m["jaccard"]] + [m[f"span_match@{n}"]["f1"] for n in (0, 5, 10)]
-        ax.bar(np.arange(len(keys)) + i * w, vals, w, label=f"{name} ({cond})", color=plt.cm.tab20(i % 20))
-    ax.set_xticks(np.arange(len(keys)) + 0.4 - w / 2, keys)
-    ax.set_ylim(0, 1)
-    ax.set_title(f"episodic trigger, {r['streams_per_condition']} held-out streams/condition; "
-                 f"8,192 steps in {r['label_8192_steps_s']['median']:.2f} s ({r['device']})", fontsize=9)
-    ax.legend(fontsize=6, ncol=3)
+    conds = list(r["metrics"])
+    names = list(dict.fromkeys(n for c in conds for n in r["metrics"][c]))  # every segmenter, first-seen order
+    colour = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2), gridspec_kw={"width_ratios": [3, 3, 2]})
+    w = 0.8 / len(names)
+    for ax, (title, get) in zip(axes[:2], [("Jaccard", lambda m: m["jaccard"]),
+                                           ("span_match F1@5", lambda m: m["span_match@5"]["f1"])]):
+        for j, n in enumerate(names):
+            xs = [i for i, c in enumerate(conds) if n in r["metrics"][c]]
+            ax.bar(np.array(xs) + j * w, [get(r["metrics"][conds[i]][n]) for i in xs], w, color=colour[n], label=n)
+        ax.set_xticks(np.arange(len(conds)) + 0.4 - w / 2, [c.replace("_", "\n", 1) for c in conds], fontsize=7)
+        ax.set_ylim(0, 1)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"episodic trigger on held-out streams ({r['streams_per_condition']} per condition, "
+                 f"{r.get('long_streams_per_condition', 0)} of 8,192 steps); 8,192 steps labelled in "
+                 f"{r['label_8192_steps_s']['median']:.2f} s ({r['device']}, {r['threads']} thread(s))", fontsize=10)
+    ax2 = axes[2]
     kinds = ["matched", "merged", "split", "shifted", "missed"]
-    cols = [(c, n) for c in r["metrics"] for n in ("trigger", "trigger+split")]
+    cols = [(c, n) for c in conds for n in ("trigger", "trigger+split") if n in r["metrics"][c]]
     bottom = np.zeros(len(cols))
     for kind in kinds:
         vals = np.array([r["metrics"][c][n]["errors@5"][kind] for c, n in cols], float)
         ax2.bar(np.arange(len(cols)), vals, 0.7, bottom=bottom, label=kind)
         bottom += vals
-    ax2.set_xticks(np.arange(len(cols)), [f"{c}\n{n}" for c, n in cols], fontsize=6)
+    ax2.set_xticks(np.arange(len(cols)), [f"{c}\n{n}" for c, n in cols], fontsize=6, rotation=60, ha="right")
+    ax2.set_ylim(0, bottom.max() * 1.15)
     ax2.set_ylabel("gold sessions")
-    ax2.set_title("gold sessions at span_match@5 (merged = one span covers two sessions)", fontsize=9)
-    ax2.legend(fontsize=7)
+    ax2.set_title("gold sessions at span_match@5\n(merged: one span covers two)", fontsize=9)
+    ax2.legend(fontsize=7, ncol=3, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -145,3 +145,29 @@ def test_viterbi_min_gap_keeps_short_pauses_inside_one_session():
     assert decode_sessions(viterbi_labels(logp(switch), min_len=8), min_len=1) == [(1, 14)]  # too short apart
     out = viterbi_labels(lp, min_gap=10, min_len=8)  # still a well-formed sequence
     assert decode_sessions(out, min_len=1) == decode_sessions(out, max_gap=10**6, min_len=1)
+
+
+def test_viterbi_short_gap_cost_lets_a_sure_tagger_place_a_short_gap():
+    from egomem.trigger.decode import viterbi_labels
+
+    def logp(labels: str, sure: float) -> np.ndarray:
+        p = np.tile([(1 - sure) / 3] * 4, (len(labels), 1))
+        p[np.arange(len(labels)), [int(c) for c in labels]] = sure
+        return np.log(p)
+
+    # two users 6 steps apart: shorter than min_gap 10, so the hard rule cannot decode that gap
+    two = "01" + "2" * 10 + "3" + "0" * 6 + "1" + "2" * 10 + "30"
+    hard = decode_sessions(viterbi_labels(logp(two, 0.9), min_gap=10, min_len=5), min_len=1)
+    assert hard != [(1, 12), (19, 30)]
+    for cost in (0.0, 8.0):  # a sure tagger pays a moderate price for the short gap
+        soft = viterbi_labels(logp(two, 0.9), min_gap=10, min_len=5, short_gap_cost=cost)
+        assert decode_sessions(soft, min_len=1) == [(1, 12), (19, 30)]
+    # an unsure tagger (0.4 on its labels) does not pay a high price: the gap stays inside one session
+    # or becomes adjacency, as with the hard rule
+    unsure = viterbi_labels(logp(two, 0.4), min_gap=10, min_len=5, short_gap_cost=50.0)
+    np.testing.assert_array_equal(unsure, viterbi_labels(logp(two, 0.4), min_gap=10, min_len=5))
+    # the price is paid only for gaps under min_gap: a long gap decodes the same at any cost
+    far = "01" + "2" * 10 + "3" + "0" * 12 + "1" + "2" * 10 + "30"
+    for cost in (0.0, 8.0, float("inf")):
+        assert decode_sessions(viterbi_labels(logp(far, 0.9), min_gap=10, min_len=5, short_gap_cost=cost),
+                               min_len=1) == [(1, 12), (25, 36)]

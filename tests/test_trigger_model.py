@@ -60,7 +60,7 @@ def _labeler(tmp_path, **kw):
 
 
 def test_long_input_windowed_matches_centre_of_one_pass(tmp_path):
-    lab = _labeler(tmp_path, max_chunk_steps=400, window_overlap_steps=100)
+    lab = _labeler(tmp_path, window_steps=400, window_overlap_steps=100)
     tok = random_tokens(np.random.default_rng(2), 1000)
     out = lab.label(tok)
     assert out.shape == (1000,) and out.dtype == np.int64 and set(np.unique(out)) <= {0, 1, 2, 3}
@@ -69,7 +69,8 @@ def test_long_input_windowed_matches_centre_of_one_pass(tmp_path):
         s, e, ks, ke = ws[1]
         ref = torch.log_softmax(lab.model(torch.from_numpy(tok[s:e])[None])[0], -1).numpy()
     np.testing.assert_allclose(lab.log_probs(tok)[ks:ke], ref[ks - s:ke - s], atol=1e-5)
-    np.testing.assert_array_equal(out, viterbi_labels(lab.log_probs(tok), lab.cfg.min_gap_steps, lab.cfg.min_session_steps))
+    np.testing.assert_array_equal(out, viterbi_labels(lab.log_probs(tok), lab.cfg.min_gap_steps, lab.cfg.min_session_steps,
+                                                       lab.cfg.short_gap_cost))
     # a short input is one pass
     short = tok[:300]
     with torch.no_grad():

@@ -19,6 +19,8 @@ makes mistakes, so decoding is a small state machine with these rules for broken
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from egomem.trigger.model import END, IN_SESSION, NO_DIALOG, START
@@ -91,7 +93,8 @@ _ALLOWED = np.array([
 ])
 
 
-def _lattice(min_gap: int, min_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _lattice(min_gap: int, min_len: int, short_gap_cost: float = math.inf
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Decoding states, each emitting one label:
       Z_1 .. Z_G  k steps of no dialog since a session ended (Z_G = "G or more", also the state before
                   any session); from Z_k only to Z_k+1 until Z_G, which may start a session;
@@ -99,8 +102,12 @@ def _lattice(min_gap: int, min_len: int) -> tuple[np.ndarray, np.ndarray, np.nda
       C_2 .. C_L-1  its next steps (in session), counted, so that no session is shorter than L;
       I           in session from step L on;  E  its end, then Z_1 or straight to S (a user switch).
     So two sessions are adjacent or at least G = `min_gap` steps apart, and every session lasts at
-    least L = `min_len` steps. G = 1, L = 2 is the plain well-formed grammar (`_ALLOWED`).
-    Returns (label of each state, allowed [from, to], may start a chunk, may end a chunk)."""
+    least L = `min_len` steps. G = 1, L = 2 is the plain well-formed grammar (`_ALLOWED`). With a
+    finite `short_gap_cost` c, Z_1 .. Z_G-1 may also start a session, each such start paying c (a
+    log-probability): a gap shorter than G is possible where the tagger is sure of it (a new user
+    after a short pause), not forced to adjacency or a merge.
+    Returns (label of each state, transition log-score [from, to] (-inf: forbidden), may start a
+    chunk, may end a chunk)."""
     G, L = max(1, int(min_gap)), max(2, int(min_len))
     S = G
     chain = list(range(G + 1, G + L - 1))  # C_2 .. C_L-1
@@ -117,14 +124,18 @@ def _lattice(min_gap: int, min_len: int) -> tuple[np.ndarray, np.ndarray, np.nda
     allowed[steps[-1], I] = allowed[steps[-1], E] = True  # step L: in session or the end
     allowed[I, I] = allowed[I, E] = True
     allowed[E, 0] = allowed[E, S] = True
+    trans = np.where(allowed, 0.0, -np.inf)
+    if math.isfinite(short_gap_cost):
+        trans[: G - 1, S] = -float(short_gap_cost)  # a session after a gap of 1 .. G-1 steps, at a price
     first = np.zeros(n, bool)
     first[G - 1] = first[S] = True  # a chunk starts outside a session or at its start
     last = np.zeros(n, bool)
     last[:G] = last[E] = True  # ... and ends outside one or at its end
-    return label, allowed, first, last
+    return label, trans, first, last
 
 
-def viterbi_labels(log_probs: np.ndarray, min_gap: int = 1, min_len: int = 2) -> np.ndarray:
+def viterbi_labels(log_probs: np.ndarray, min_gap: int = 1, min_len: int = 2,
+                   short_gap_cost: float = math.inf) -> np.ndarray:
     """The most probable WELL-FORMED label sequence under per-step log-probabilities [T, 4].
 
     Per-step argmax lets one stray 1 or 3 split a session in two; this decoding only considers
@@ -133,14 +144,15 @@ def viterbi_labels(log_probs: np.ndarray, min_gap: int = 1, min_len: int = 2) ->
     at least `min_gap` steps of no dialog apart: a pause shorter than that inside one person's
     conversation no longer splits it (a person change across a short pause is the identity split's
     job, `egomem.trigger.identity_split`). `min_len` keeps that pause from being decoded as a tiny
-    session of its own between two adjacent ones. The result is what `decode_sessions` expects.
+    session of its own between two adjacent ones. A finite `short_gap_cost` softens the gap rule:
+    a gap of 1 .. `min_gap` - 1 steps costs that much log-probability instead of being impossible.
+    The result is what `decode_sessions` expects.
     """
     lp = np.asarray(log_probs, dtype=np.float64)
     T = lp.shape[0]
     if T == 0:
         return np.zeros(0, np.int64)
-    label, allowed, first, last = _lattice(min_gap, min_len)
-    trans = np.where(allowed, 0.0, -np.inf)  # [from, to]
+    label, trans, first, last = _lattice(min_gap, min_len, short_gap_cost)  # trans [from, to]
     emit = lp[:, label]  # T, states
     score = np.where(first, emit[0], -np.inf)
     back = np.zeros((T, len(label)), np.int16)

@@ -1,9 +1,11 @@
 """`TriggerLabeler`: tokens [T, 17] -> labels [T] with a trained trigger, any length T.
 
-Chunks up to `max_chunk_steps` (8,192, the paper's chunk) are labelled in one full-attention pass.
-Longer inputs are labelled in windows of `max_chunk_steps` that overlap by `2 * window_overlap_steps`;
-each window contributes only its centre, so every kept label saw at least `window_overlap_steps`
-of context on both sides (except at the stream's own ends).
+Inputs up to `window_steps` (1,024) are labelled in one full-attention pass. Longer ones (the
+worker's 8,192-step chunks, `max_chunk_steps`) are labelled in windows of `window_steps` that overlap
+by `2 * window_overlap_steps`; each window contributes only its centre, so every kept label saw at
+least `window_overlap_steps` of context on both sides (except at the stream's own ends). Windows of
+about the length the tagger was trained on label 8,192-step chunks as well as one pass over all of
+them, in a third of the time (attention is quadratic): `bench/bench_trigger.py`'s 8,192-step rows.
 """
 
 from __future__ import annotations
@@ -72,13 +74,13 @@ class TriggerLabeler:
 
     @torch.no_grad()
     def log_probs(self, tokens: np.ndarray) -> np.ndarray:
-        """tokens [T, 17] -> per-step label log-probabilities [T, 4] (windowed beyond max_chunk_steps)."""
+        """tokens [T, 17] -> per-step label log-probabilities [T, 4] (windowed beyond window_steps)."""
         tokens = self.validate(tokens)
         T = tokens.shape[0]
         out = np.zeros((T, 4), np.float32)
         x = torch.from_numpy(tokens).to(self.device)
         with self._lock:
-            for ws, we, ks, ke in windows(T, self.cfg.max_chunk_steps, self.cfg.window_overlap_steps):
+            for ws, we, ks, ke in windows(T, self.cfg.window_steps, self.cfg.window_overlap_steps):
                 logits = self.model(x[None, ws:we])[0]  # W,4
                 out[ks:ke] = torch.log_softmax(logits[ks - ws:ke - ws].float(), -1).cpu().numpy()
         return out
@@ -87,12 +89,14 @@ class TriggerLabeler:
         """tokens [T, 17] -> labels [T] int64 in {0 no dialog, 1 start, 2 in session, 3 end}.
 
         The most probable well-formed sequence (`viterbi_labels`: sessions adjacent or at least
-        `min_gap_steps` apart, none shorter than `min_session_steps`), not the per-step argmax: one stray start/end label would otherwise
+        `min_gap_steps` apart unless the tagger pays `short_gap_cost` for a shorter gap, none shorter
+        than `min_session_steps`), not the per-step argmax: one stray start/end label would otherwise
         split a session."""
         if np.asarray(tokens).shape[:1] == (0,):
             self.validate(tokens)
             return np.zeros(0, np.int64)
-        return viterbi_labels(self.log_probs(tokens), self.cfg.min_gap_steps, self.cfg.min_session_steps)
+        return viterbi_labels(self.log_probs(tokens), self.cfg.min_gap_steps, self.cfg.min_session_steps,
+                              self.cfg.short_gap_cost)
 
     def sessions(self, tokens: np.ndarray) -> list[tuple[int, int]]:
         """Dialog sessions (start step, end step inclusive) in a token chunk."""

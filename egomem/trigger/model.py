@@ -128,15 +128,19 @@ class TriggerModel(nn.Module):
         low = low.masked_fill((audio == ZERO_TOKEN)[..., None], 0.0)
         return x + torch.einsum("btkr,krd->btd", low, self.audio_proj)  # B,T,C: sum over the 16 codebooks
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows of a batch must be real streams of equal length (no padding: convs would mix it in)."""
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T, 17] -> the normalised last hidden state [B, T, dim] the label head reads."""
         if tokens.dim() != 3 or tokens.shape[-1] != NUM_TOKENS:
             raise ValueError(f"tokens must be [B, T, {NUM_TOKENS}], got {tuple(tokens.shape)}")
         x = self.embed(tokens)
         x = self.conv_norm(x + self.conv(x))  # B,T,C
         for blk in self.blocks:
             x = blk(x)
-        return self.head(self.out_norm(x))  # B,T,4
+        return self.out_norm(x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows of a batch must be real streams of equal length (no padding: convs would mix it in)."""
+        return self.head(self.features(tokens))  # B,T,4
 
 
 # ----------------------------------------------------------------------------------------------

@@ -511,3 +511,27 @@ def synth_batch(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, ba
     """B streams of the same length: tokens [B, T, 17], labels [B, T]."""
     out = [synth_stream(cache, rng, spec, noised=rng.random() < noised_p) for _ in range(batch)]
     return np.stack([o[0] for o in out]), np.stack([o[1] for o in out])
+
+
+def synth_batch_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, batch: int,
+                         noised_p: float = 0.5) -> list[SynthStream]:
+    """The streams `synth_batch` builds from the same rng state, with their speaker ground truth."""
+    return [synth_recorded(cache, rng, spec, noised=rng.random() < noised_p) for _ in range(batch)]
+
+
+def voice_change_targets(speaker: np.ndarray) -> np.ndarray:
+    """[T] per step of user speech: 1 when this run of speech is another user than the run before it,
+    0 the same user; -1 (no target) outside user speech and on the stream's first run."""
+    out = np.full(len(speaker), -1, np.int64)
+    prev, t = -1, 0
+    while t < len(speaker):
+        who = int(speaker[t])
+        end = t + 1
+        while end < len(speaker) and speaker[end] == who:
+            end += 1
+        if who >= 0:
+            if prev >= 0:
+                out[t:end] = int(who != prev)
+            prev = who
+        t = end
+    return out
