@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
@@ -46,7 +47,7 @@ import torch
 from egomem.config import REPO_ROOT, IdentityConfig, OrchestratorConfig, TriggerConfig
 from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
 from egomem.trigger import TriggerLabeler, decode_sessions
-from egomem.trigger.decode import viterbi_labels
+from egomem.trigger.decode import configured_viterbi
 from egomem.trigger.identity_split import SplitRule, split_sessions
 from egomem.trigger.metrics import SHIPPED_BAR, error_breakdown, evaluate, meets_bar
 from egomem.trigger.synth import (
@@ -147,10 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.streams):
             s = synth_recorded(cache, rng, cspec, noised=noised)  # draws what synth_stream draws: same streams
             log_probs = labeler.log_probs(s.tokens)
-            pred = decode_sessions(viterbi_labels(log_probs, tcfg.min_gap_steps, tcfg.min_session_steps,
-                                                  tcfg.short_gap_cost))  # = labeler.label
-            out["trigger_hard_gap"].append(decode_sessions(viterbi_labels(log_probs, tcfg.min_gap_steps,
-                                                                          tcfg.min_session_steps)))
+            pred = decode_sessions(configured_viterbi(log_probs, tcfg))  # = labeler.label(s.tokens)
+            out["trigger_hard_gap"].append(decode_sessions(configured_viterbi(log_probs, tcfg, math.inf)))
             voices = poll_voices(cache, s)
             polls += len(voices)
             out["trigger"].append(pred)

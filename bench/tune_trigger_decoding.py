@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from egomem.config import REPO_ROOT, TriggerConfig
 from egomem.trigger import TriggerLabeler, decode_sessions
-from egomem.trigger.decode import viterbi_labels
+from egomem.trigger.decode import configured_viterbi
 from egomem.trigger.metrics import error_breakdown, evaluate
 from egomem.trigger.synth import CodeCache, StreamSpec, synth_recorded
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
             lps.append(labeler.log_probs(s.tokens))
             golds.append(s.sessions)
         for c in COSTS:
-            preds = [decode_sessions(viterbi_labels(lp, cfg.min_gap_steps, cfg.min_session_steps, c)) for lp in lps]
+            preds = [decode_sessions(configured_viterbi(lp, cfg, c)) for lp in lps]
             m = evaluate(preds, golds)
             rows.setdefault(str(c), {})[cond] = {"jaccard": m["jaccard"], "f1@5": m["span_match@5"]["f1"],
                                                  "errors@5": error_breakdown(preds, golds, 5)}

@@ -70,8 +70,8 @@ def test_voice_change_targets_mark_each_speech_run_against_the_one_before():
 
 
 def test_voice_change_loss_trains_and_resumes_to_the_same_weights(cache, tmp_path):
-    """The auxiliary voice-change head: same streams as without it, a loss that falls, bit-exact resume,
-    and a resume with another weight refused."""
+    """The auxiliary voice-change head: it adds to the loss on the same first batch, an interrupted run
+    resumes (head included) to the weights of an uninterrupted one, and a resume with another weight is refused."""
     torch.set_num_threads(1)
     kw = dict(steps=6, batch=2, stream_steps=512, lr=3e-3, seed=1, progress=False, voice_change_weight=0.5)
     straight = make_model(TINY, seed=1)

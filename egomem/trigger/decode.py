@@ -20,10 +20,14 @@ makes mistakes, so decoding is a small state machine with these rules for broken
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from egomem.trigger.model import END, IN_SESSION, NO_DIALOG, START
+
+if TYPE_CHECKING:
+    from egomem.config import TriggerConfig
 
 
 def decode_sessions(labels: np.ndarray, max_gap: int = 13, min_len: int = 3) -> list[tuple[int, int]]:
@@ -166,3 +170,10 @@ def viterbi_labels(log_probs: np.ndarray, min_gap: int = 1, min_len: int = 2,
         out[t] = label[state]
         state = back[t, state]
     return out
+
+
+def configured_viterbi(log_probs: np.ndarray, cfg: TriggerConfig, short_gap_cost: float | None = None) -> np.ndarray:
+    """`viterbi_labels` with a trigger config's decoding keys (`min_gap_steps`, `min_session_steps`,
+    `short_gap_cost` unless given): how the labeler decodes, for whoever holds only log-probabilities."""
+    cost = cfg.short_gap_cost if short_gap_cost is None else short_gap_cost
+    return viterbi_labels(log_probs, cfg.min_gap_steps, cfg.min_session_steps, cost)

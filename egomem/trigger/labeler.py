@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from egomem.config import TriggerConfig
-from egomem.trigger.decode import decode_sessions, viterbi_labels
+from egomem.trigger.decode import configured_viterbi, decode_sessions
 from egomem.trigger.model import AUDIO_CARD, NUM_TOKENS, load_trigger
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,7 @@ class TriggerLabeler:
         if np.asarray(tokens).shape[:1] == (0,):
             self.validate(tokens)
             return np.zeros(0, np.int64)
-        return viterbi_labels(self.log_probs(tokens), self.cfg.min_gap_steps, self.cfg.min_session_steps,
-                              self.cfg.short_gap_cost)
+        return configured_viterbi(self.log_probs(tokens), self.cfg)
 
     def sessions(self, tokens: np.ndarray) -> list[tuple[int, int]]:
         """Dialog sessions (start step, end step inclusive) in a token chunk."""

@@ -507,15 +507,8 @@ def poll_voices(cache: CodeCache, stream: SynthStream, poll_steps: int = 25, win
 
 
 def synth_batch(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, batch: int,
-                noised_p: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
-    """B streams of the same length: tokens [B, T, 17], labels [B, T]."""
-    out = [synth_stream(cache, rng, spec, noised=rng.random() < noised_p) for _ in range(batch)]
-    return np.stack([o[0] for o in out]), np.stack([o[1] for o in out])
-
-
-def synth_batch_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, batch: int,
-                         noised_p: float = 0.5) -> list[SynthStream]:
-    """The streams `synth_batch` builds from the same rng state, with their speaker ground truth."""
+                noised_p: float = 0.5) -> list[SynthStream]:
+    """B streams of the same spec, each noised with probability `noised_p`, with their speaker ground truth."""
     return [synth_recorded(cache, rng, spec, noised=rng.random() < noised_p) for _ in range(batch)]
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from egomem.config import REPO_ROOT, TriggerConfig, load_config
-from egomem.trigger.decode import decode_sessions, viterbi_labels
+from egomem.trigger.decode import configured_viterbi, decode_sessions
 from egomem.trigger.metrics import evaluate
 from egomem.trigger.model import TriggerModel, TriggerModelConfig, save_trigger
 from egomem.trigger.synth import (
@@ -45,7 +45,6 @@ from egomem.trigger.synth import (
     build_cache,
     cache_path,
     synth_batch,
-    synth_batch_recorded,
     synth_stream,
     voice_change_targets,
 )
@@ -106,11 +105,10 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noised: bool,
-                   spec: StreamSpec | None = None, min_gap: int = TriggerConfig.min_gap_steps,
-                   min_len: int = TriggerConfig.min_session_steps,
-                   short_gap_cost: float = TriggerConfig.short_gap_cost) -> dict:
+                   spec: StreamSpec | None = None, decoding: TriggerConfig | None = None) -> dict:
     """span metrics on n held-out streams (seeded: the same streams for every model), decoded as the
-    labeler decodes (`viterbi_labels` with the configured gap rule and minimum session length)."""
+    labeler decodes (`configured_viterbi` with `decoding`'s gap rule and minimum session length)."""
+    decoding = decoding or TriggerConfig()
     spec = spec or StreamSpec(steps=1024)
     rng = np.random.default_rng([seed, 7, int(noised)])
     preds, golds = [], []
@@ -118,7 +116,7 @@ def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noi
     for _ in range(n):
         tokens, _, gold = synth_stream(cache, rng, spec, noised=noised)
         log_probs = torch.log_softmax(model(torch.from_numpy(tokens)[None])[0], -1).numpy()  # T,4
-        preds.append(decode_sessions(viterbi_labels(log_probs, min_gap, min_len, short_gap_cost)))
+        preds.append(decode_sessions(configured_viterbi(log_probs, decoding)))
         golds.append(gold)
     return evaluate(preds, golds)
 
@@ -180,16 +178,12 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
             spec, b = StreamSpec(steps=int(rng.integers(1024, max_stream_steps + 1))), 1
         else:
             spec, b = StreamSpec(steps=stream_steps), batch
-        if voice_head is None:
-            tokens, labels = synth_batch(cache, rng, spec, b)  # [B,T,17], [B,T]
-            loss = loss_fn(model(torch.from_numpy(tokens)), torch.from_numpy(labels))
-        else:
-            streams = synth_batch_recorded(cache, rng, spec, b)  # the same streams synth_batch would draw
-            tokens = torch.from_numpy(np.stack([st.tokens for st in streams]))
-            labels = torch.from_numpy(np.stack([st.labels for st in streams]))
+        streams = synth_batch(cache, rng, spec, b)
+        tokens = torch.from_numpy(np.stack([st.tokens for st in streams]))  # B,T,17
+        feats = model.features(tokens)  # B,T,dim
+        loss = loss_fn(model.head(feats), torch.from_numpy(np.stack([st.labels for st in streams])))
+        if voice_head is not None:
             change = torch.from_numpy(np.stack([voice_change_targets(st.speaker) for st in streams]))  # B,T
-            feats = model.features(tokens)
-            loss = loss_fn(model.head(feats), labels)
             if bool((change >= 0).any()):
                 loss = loss + voice_change_weight * F.cross_entropy(
                     voice_head(feats).reshape(-1, 2), change.reshape(-1), ignore_index=-1)
@@ -229,8 +223,7 @@ def train(args: argparse.Namespace) -> dict:
     from egomem.trigger.codec import build_codec, codec_fingerprint
 
     results = {cond: evaluate_model(model, held_cache, args.eval_streams, args.seed, noised=(cond == "noised"),
-                                 min_gap=cfg.trigger.min_gap_steps, min_len=cfg.trigger.min_session_steps,
-                                 short_gap_cost=cfg.trigger.short_gap_cost)
+                                 decoding=cfg.trigger)
                for cond in ("clean", "noised")}
     meta = {
         "codec_fingerprint": codec_fingerprint(build_codec(cfg.mimi)),
