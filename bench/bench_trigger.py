@@ -5,7 +5,11 @@ spans and span_match@{0,5,10} precision/recall/F1 over `--streams` held-out stre
 (clean, noised), built from held-out users' and assistant utterances (egomem.trigger.synth).
 A third condition, clean streams without user switches, shows how much of the error is telling
 two users apart across a short pause (voice only). Segmenters per condition:
-  - trigger: the shipped tagger alone, decoded as the labeler decodes (`trigger.short_gap_cost`);
+  - trigger: the shipped tagger alone, decoded as the labeler decodes (`trigger.short_gap_cost`); a
+    tagger trained with the voice track (`voice_dim` > 0) reads the stream's recorded voice polls
+    (below), as the memory manager hands them to it;
+  - trigger_codes_only (a tagger that reads the voice track): the same tagger with the track withheld
+    (a chunk recorded without a speaker encoder);
   - trigger_hard_gap: the same log-probabilities decoded with the hard gap rule (sessions adjacent
     or >= `trigger.min_gap_steps` apart, `short_gap_cost = inf`), the decoding shipped before;
   - trigger+split: its sessions split where the person changes (egomem.trigger.identity_split) using
@@ -58,7 +62,6 @@ from egomem.trigger.synth import (
     StreamSpec,
     poll_voices,
     synth_recorded,
-    synth_stream,
 )
 
 DEFAULT_CACHE = REPO_ROOT / "tests" / "data" / "trigger" / "heldout_codes.npz"
@@ -142,23 +145,27 @@ def main(argv: list[str] | None = None) -> dict:
         rng = np.random.default_rng([args.seed, i])
         out: dict[str, list] = {"trigger": [], "trigger_hard_gap": [], "trigger+split": [], "trigger+split_1poll": [],
                                 "activity_peer": []}
+        if labeler.reads_voices:
+            out["trigger_codes_only"] = []
         if peer is not None:
             out["peer_trigger"] = []
         golds, polls = [], 0
         for _ in range(args.streams):
             s = synth_recorded(cache, rng, cspec, noised=noised)  # draws what synth_stream draws: same streams
-            log_probs = labeler.log_probs(s.tokens)
-            pred = decode_sessions(configured_viterbi(log_probs, tcfg))  # = labeler.label(s.tokens)
-            out["trigger_hard_gap"].append(decode_sessions(configured_viterbi(log_probs, tcfg, math.inf)))
             voices = poll_voices(cache, s)
             polls += len(voices)
+            log_probs = labeler.log_probs(s.tokens, voices)
+            pred = decode_sessions(configured_viterbi(log_probs, tcfg))  # = labeler.label(s.tokens, voices)
+            out["trigger_hard_gap"].append(decode_sessions(configured_viterbi(log_probs, tcfg, math.inf)))
+            if labeler.reads_voices:
+                out["trigger_codes_only"].append(decode_sessions(labeler.label(s.tokens)))
             out["trigger"].append(pred)
             out["trigger+split"].append([(p.start, p.end) for p in split_sessions(pred, s.tokens, [], voices, rule)])
             out["trigger+split_1poll"].append(
                 [(p.start, p.end) for p in split_sessions(pred, s.tokens, [], voices, one_poll)])
             out["activity_peer"].append(activity_segmenter(s.tokens))
             if peer is not None:
-                out["peer_trigger"].append(decode_sessions(peer.label(s.tokens)))
+                out["peer_trigger"].append(decode_sessions(peer.label(s.tokens, voices)))
             golds.append(s.sessions)
         results["metrics"][cond] = {k: evaluate(v, golds) | {"errors@5": error_breakdown(v, golds, 5)}
                                     for k, v in out.items()}
@@ -168,11 +175,12 @@ def main(argv: list[str] | None = None) -> dict:
         out = {"trigger": [], "trigger_one_pass": [], "activity_peer": []}
         golds = []
         for _ in range(args.long_streams):
-            tokens, _, gold = synth_stream(cache, rng, cspec, noised=noised)
-            out["trigger"].append(decode_sessions(labeler.label(tokens)))
-            out["trigger_one_pass"].append(decode_sessions(one_pass.label(tokens)))
-            out["activity_peer"].append(activity_segmenter(tokens))
-            golds.append(gold)
+            s = synth_recorded(cache, rng, cspec, noised=noised)
+            voices = poll_voices(cache, s)
+            out["trigger"].append(decode_sessions(labeler.label(s.tokens, voices)))
+            out["trigger_one_pass"].append(decode_sessions(one_pass.label(s.tokens, voices)))
+            out["activity_peer"].append(activity_segmenter(s.tokens))
+            golds.append(s.sessions)
         results["metrics"][cond] = {k: evaluate(v, golds) | {"errors@5": error_breakdown(v, golds, 5)}
                                     for k, v in out.items()}
     results["bar"] = SHIPPED_BAR
@@ -180,15 +188,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     # speed: one 8,192-step chunk (several streams back to back)
     rng = np.random.default_rng([args.seed, 9])
-    chunk = np.concatenate([synth_stream(cache, rng, StreamSpec(steps=1024), noised=False)[0] for _ in range(8)])
+    parts = [synth_recorded(cache, rng, StreamSpec(steps=1024), noised=False) for _ in range(8)]
+    chunk = np.concatenate([s.tokens for s in parts])
+    chunk_voices = [(t + 1024 * i, v) for i, s in enumerate(parts) for t, v in poll_voices(cache, s)]
+
     def timed(lab: TriggerLabeler) -> dict:
-        lab.label(chunk)  # warm-up
+        lab.label(chunk, chunk_voices)  # warm-up
         times = []
         for _ in range(args.repeats):
             if args.device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            lab.label(chunk)
+            lab.label(chunk, chunk_voices)  # the voice features are part of the cost
             if args.device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)

@@ -27,7 +27,7 @@ from egomem.config import REPO_ROOT, TriggerConfig
 from egomem.trigger import TriggerLabeler, decode_sessions
 from egomem.trigger.decode import configured_viterbi
 from egomem.trigger.metrics import error_breakdown, evaluate
-from egomem.trigger.synth import CodeCache, StreamSpec, synth_recorded
+from egomem.trigger.synth import CodeCache, StreamSpec, poll_voices, synth_recorded
 
 COSTS = (math.inf, 16.0, 12.0, 8.0, 6.0, 4.0, 2.0, 0.0)
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         lps, golds = [], []
         for _ in tqdm(range(a.streams), desc=f"{cond} streams", unit="stream"):
             s = synth_recorded(cache, rng, StreamSpec(steps=1024), noised=noised)
-            lps.append(labeler.log_probs(s.tokens))
+            lps.append(labeler.log_probs(s.tokens, poll_voices(cache, s)))  # the track, as the manager hands it
             golds.append(s.sessions)
         for c in COSTS:
             preds = [decode_sessions(configured_viterbi(lp, cfg, c)) for lp in lps]

@@ -247,6 +247,7 @@ class TriggerConfig:
     emb_rank: int = 16  # low-rank audio embeddings (moshi's ScaledEmbedding low_rank): 16 x 2049 rows stay small
     text_buckets: int = 1024  # text ids are hashed (id % buckets) so any dialog tokenizer fits
     conv_kernel: int = 9  # local convolution gives the attention layers relative order (no absolute positions)
+    voice_dim: int = 256  # > 0: the trigger also reads the recorded voice polls (GE2E: 256 dims); 0 = codes only
     # Identity split (egomem.trigger.identity_split): the memory manager cuts a session where the recorded
     # face/voice polls say the person changed, so no session mixes two people. Thresholds: [identity].
     identity_split: bool = True

@@ -13,7 +13,7 @@ import pytest
 
 from egomem.trigger import SHIPPED_CHECKPOINT, TriggerLabeler, decode_sessions
 from egomem.trigger.metrics import SHIPPED_BAR, evaluate
-from egomem.trigger.synth import CodeCache, StreamSpec, synth_stream
+from egomem.trigger.synth import CodeCache, StreamSpec, poll_voices, synth_recorded
 
 CACHE = Path(__file__).parent / "data" / "trigger" / "heldout_codes.npz"
 
@@ -47,9 +47,9 @@ def test_shipped_checkpoint_reaches_the_bar(labeler, cond):
     rng = np.random.default_rng([2024, int(cond == "noised")])
     preds, golds = [], []
     for _ in range(48):
-        tokens, _, gold = synth_stream(cache, rng, StreamSpec(steps=1024), noised=(cond == "noised"))
-        preds.append(decode_sessions(labeler.label(tokens)))
-        golds.append(gold)
+        s = synth_recorded(cache, rng, StreamSpec(steps=1024), noised=(cond == "noised"))
+        preds.append(decode_sessions(labeler.label(s.tokens, poll_voices(cache, s))))  # the track, as the manager hands it
+        golds.append(s.sessions)
     m = evaluate(preds, golds)
     assert m["gold_sessions"] >= 80
     assert m["jaccard"] >= SHIPPED_BAR[cond]["jaccard"], m

@@ -91,6 +91,26 @@ def test_voice_change_loss_trains_and_resumes_to_the_same_weights(cache, tmp_pat
         fit(make_model(TINY, seed=1), cache, ckpt=ckpt, **(kw | {"voice_change_weight": 1.0}))
 
 
+def test_a_trigger_reading_the_voice_track_trains_with_dropout_and_resumes_to_the_same_weights(cache, tmp_path):
+    """voice_dim > 0 (the default): the polls enter training, withheld per stream and per poll with rng
+    draws that a resumed run repeats; the track changes the loss; another dropout refuses the resume."""
+    assert TINY.voice_dim == 256
+    torch.set_num_threads(1)
+    kw = dict(steps=6, batch=2, stream_steps=512, lr=3e-3, seed=2, progress=False, drop_track_p=0.5, drop_poll_p=0.3)
+    straight = make_model(TINY, seed=1)
+    losses = fit(straight, cache, **kw)
+    codes_only = make_model(TINY, seed=1)
+    assert fit(codes_only, cache, **(kw | {"drop_track_p": 1.0}))[0] != losses[0]  # the track reaches the loss
+    ckpt = tmp_path / "ckpt" / "last.pt"
+    fit(make_model(TINY, seed=1), cache, ckpt=ckpt, ckpt_every=2, stop_after=3, **kw)
+    resumed = make_model(TINY, seed=1)
+    assert fit(resumed, cache, ckpt=ckpt, **kw) == losses
+    for k, v in straight.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v)
+    with pytest.raises(SystemExit, match="voice dropout"):
+        fit(make_model(TINY, seed=1), cache, ckpt=ckpt, **(kw | {"drop_poll_p": 0.0}))
+
+
 def test_cli_needs_data_to_build_a_missing_cache(tmp_path):
     with pytest.raises(SystemExit, match="--data"):
         main(["--cache-dir", str(tmp_path), "--out", str(tmp_path / "t.safetensors"), "--steps", "1"])

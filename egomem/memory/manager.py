@@ -60,7 +60,7 @@ class MemoryManager:
         """The chunk's sessions, each holding one person, with the polls that belong to it."""
         from egomem.trigger.identity_split import Piece, split_sessions
 
-        sessions = decode_sessions(label_stream(self.labeler, chunk.tokens, self.window))
+        sessions = decode_sessions(label_stream(self.labeler, chunk.tokens, self.window, chunk.voices))
         if self.split_rule is None:
             pieces = [Piece(a, b, _within(chunk.faces, a, b), _within(chunk.voices, a, b)) for a, b in sessions]
         else:

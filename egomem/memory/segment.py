@@ -2,13 +2,15 @@
 
 The real tagger lives in `egomem.trigger` (issue 5's trigger work); this module only defines what
 the memory manager needs from it, so any labeler plugs in: an object with
-`label(tokens [T, 17] int) -> labels [T] int` in {0 none, 1 start, 2 in session, 3 end}.
+`label(tokens [T, 17] int) -> labels [T] int` in {0 none, 1 start, 2 in session, 3 end}. A labeler
+whose `reads_voices` is true also gets the chunk's recorded voice polls: `label(tokens, voices=[(step, [D])])`.
 `decode_sessions` uses `egomem.trigger.decode.decode_sessions` when that module exists (one rule set for
 the whole project) and a plain decoder otherwise.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -59,14 +61,22 @@ def decode_sessions_plain(labels: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-def label_stream(labeler: TriggerLabeler, tokens: np.ndarray, window: int = 8192) -> np.ndarray:
-    """Label a stream of any length in windows of at most `window` steps; returns [T] int64."""
+def label_stream(labeler: TriggerLabeler, tokens: np.ndarray, window: int = 8192,
+                 voices: Sequence[tuple[int, np.ndarray]] = ()) -> np.ndarray:
+    """Label a stream of any length in windows of at most `window` steps; returns [T] int64.
+    `voices` (the recorded (step, embedding) polls) go to a labeler that `reads_voices`, steps re-based
+    to each window (polls just outside it still describe its edges)."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] != STREAM_WIDTH:
         raise ValueError(f"tokens must be [T, {STREAM_WIDTH}], got {tokens.shape}")
+    reads = bool(voices) and bool(getattr(labeler, "reads_voices", False))
     parts = []
     for s in range(0, tokens.shape[0], window):
-        lab = np.asarray(labeler.label(tokens[s:s + window])).reshape(-1)  # [<=window]
+        if reads:
+            lab = labeler.label(tokens[s:s + window], voices=[(int(t) - s, v) for t, v in voices])
+        else:
+            lab = labeler.label(tokens[s:s + window])
+        lab = np.asarray(lab).reshape(-1)  # [<=window]
         if lab.shape[0] != min(window, tokens.shape[0] - s):
             raise ValueError(f"labeler returned {lab.shape[0]} labels for {min(window, tokens.shape[0] - s)} steps")
         parts.append(lab.astype(np.int64))

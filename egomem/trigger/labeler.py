@@ -6,6 +6,11 @@ by `2 * window_overlap_steps`; each window contributes only its centre, so every
 least `window_overlap_steps` of context on both sides (except at the stream's own ends). Windows of
 about the length the tagger was trained on label 8,192-step chunks as well as one pass over all of
 them, in a third of the time (attention is quadratic): `bench/bench_trigger.py`'s 8,192-step rows.
+
+A checkpoint trained with the voice track (`voice_dim` > 0) also takes the chunk's recorded voice polls
+(`voices`: [(step, [D])], `StreamChunk.voices`); their features are built over the whole chunk once
+(`voice_track.voice_features`) and sliced with the windows. Without polls it labels from the codes,
+as it learnt to on the training streams whose track was withheld.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from egomem.config import TriggerConfig
 from egomem.trigger.decode import configured_viterbi, decode_sessions
 from egomem.trigger.model import AUDIO_CARD, NUM_TOKENS, load_trigger
+from egomem.trigger.voice_track import Track, voice_features
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,7 @@ class TriggerLabeler:
         self.device = _device(self.cfg.device)
         self.model, self.meta = load_trigger(path, self.device)
         self.checkpoint = path
+        self.reads_voices = bool(self.model.cfg.voice_dim)  # label_stream hands such a labeler the voice track
         self._lock = threading.Lock()  # Triton may call from several threads; one forward at a time
         log.info("trigger: loaded %s (codec fingerprint %s)", path, self.meta.get("codec_fingerprint", "?"))
 
@@ -72,21 +79,36 @@ class TriggerLabeler:
             raise ValueError(f"trigger tokens out of range: audio codes must be in [-1, {AUDIO_CARD}], text >= -1")
         return tokens.astype(np.int64)
 
+    def voice_input(self, voices: Track | None, steps: int) -> torch.Tensor | None:
+        """The voice features [T, voice_dim + 2] of a poll track, or None (codes only: no track, a
+        codes-only checkpoint, or vectors of another speaker encoder, which is logged, not fatal)."""
+        c = self.model.cfg
+        if not voices or not c.voice_dim:
+            return None
+        try:
+            feats = voice_features(voices, steps, c.voice_dim, c.voice_window_steps)
+        except ValueError as e:
+            log.warning("trigger: labelling from the codes only: %s (%s)", e, self.checkpoint)
+            return None
+        return torch.from_numpy(feats).to(self.device)
+
     @torch.no_grad()
-    def log_probs(self, tokens: np.ndarray) -> np.ndarray:
-        """tokens [T, 17] -> per-step label log-probabilities [T, 4] (windowed beyond window_steps)."""
+    def log_probs(self, tokens: np.ndarray, voices: Track | None = None) -> np.ndarray:
+        """tokens [T, 17] (+ the voice poll track, steps relative to tokens) -> per-step label
+        log-probabilities [T, 4] (windowed beyond window_steps)."""
         tokens = self.validate(tokens)
         T = tokens.shape[0]
         out = np.zeros((T, 4), np.float32)
         x = torch.from_numpy(tokens).to(self.device)
+        v = self.voice_input(voices, T)
         with self._lock:
             for ws, we, ks, ke in windows(T, self.cfg.window_steps, self.cfg.window_overlap_steps):
-                logits = self.model(x[None, ws:we])[0]  # W,4
+                logits = self.model(x[None, ws:we], None if v is None else v[None, ws:we])[0]  # W,4
                 out[ks:ke] = torch.log_softmax(logits[ks - ws:ke - ws].float(), -1).cpu().numpy()
         return out
 
-    def label(self, tokens: np.ndarray) -> np.ndarray:
-        """tokens [T, 17] -> labels [T] int64 in {0 no dialog, 1 start, 2 in session, 3 end}.
+    def label(self, tokens: np.ndarray, voices: Track | None = None) -> np.ndarray:
+        """tokens [T, 17] (+ voice polls) -> labels [T] int64 in {0 no dialog, 1 start, 2 in session, 3 end}.
 
         The most probable well-formed sequence (`viterbi_labels`: sessions adjacent or at least
         `min_gap_steps` apart unless the tagger pays `short_gap_cost` for a shorter gap, none shorter
@@ -95,8 +117,8 @@ class TriggerLabeler:
         if np.asarray(tokens).shape[:1] == (0,):
             self.validate(tokens)
             return np.zeros(0, np.int64)
-        return configured_viterbi(self.log_probs(tokens), self.cfg)
+        return configured_viterbi(self.log_probs(tokens, voices), self.cfg)
 
-    def sessions(self, tokens: np.ndarray) -> list[tuple[int, int]]:
+    def sessions(self, tokens: np.ndarray, voices: Track | None = None) -> list[tuple[int, int]]:
         """Dialog sessions (start step, end step inclusive) in a token chunk."""
-        return decode_sessions(self.label(tokens))
+        return decode_sessions(self.label(tokens, voices))

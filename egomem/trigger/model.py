@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from egomem.trigger.voice_track import CHANGE_FEATURES
+
 NUM_LABELS = 4
 NO_DIALOG, START, IN_SESSION, END = 0, 1, 2, 3
 NUM_TOKENS = 17  # 1 text + 8 speak + 8 listen codebooks
@@ -44,6 +46,8 @@ class TriggerModelConfig:
     conv_kernel: int = 9
     audio_card: int = AUDIO_CARD
     ffn_mult: int = 4
+    voice_dim: int = 0  # > 0: also reads the recorded voice track (voice_track.voice_features), e.g. 256 for GE2E
+    voice_window_steps: int = 38  # steps one voice poll covers (orchestrator.identify_window_s = 3 s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,6 +114,8 @@ class TriggerModel(nn.Module):
         self.audio_emb = nn.Parameter(torch.randn(K, cfg.audio_card + 1, cfg.emb_rank))
         self.audio_proj = nn.Parameter(torch.randn(K, cfg.emb_rank, d) / cfg.emb_rank**0.5)
         self.register_buffer("_cb", torch.arange(K), persistent=False)
+        # bias-free: a step no poll covers (all-zero features) adds nothing, so "no track" is the codes alone
+        self.voice_proj = nn.Linear(cfg.voice_dim + CHANGE_FEATURES, d, bias=False) if cfg.voice_dim else None
         self.conv = _ShiftConv(d, cfg.conv_kernel, 1)
         self.conv_norm = nn.LayerNorm(d)
         self.blocks = nn.ModuleList(
@@ -128,19 +134,26 @@ class TriggerModel(nn.Module):
         low = low.masked_fill((audio == ZERO_TOKEN)[..., None], 0.0)
         return x + torch.einsum("btkr,krd->btd", low, self.audio_proj)  # B,T,C: sum over the 16 codebooks
 
-    def features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T, 17] -> the normalised last hidden state [B, T, dim] the label head reads."""
+    def features(self, tokens: torch.Tensor, voices: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T, 17] (+ voices [B, T, voice_dim + 2] from `voice_features`, None = no track)
+        -> the normalised last hidden state [B, T, dim] the label head reads."""
         if tokens.dim() != 3 or tokens.shape[-1] != NUM_TOKENS:
             raise ValueError(f"tokens must be [B, T, {NUM_TOKENS}], got {tuple(tokens.shape)}")
         x = self.embed(tokens)
+        if voices is not None and self.voice_proj is not None:
+            if voices.shape != (*tokens.shape[:2], self.voice_proj.in_features):
+                raise ValueError(f"voices must be [B, T, {self.voice_proj.in_features}] beside tokens "
+                                 f"{tuple(tokens.shape)}, got {tuple(voices.shape)}")
+            x = x + self.voice_proj(voices.to(x.dtype))
         x = self.conv_norm(x + self.conv(x))  # B,T,C
         for blk in self.blocks:
             x = blk(x)
         return self.out_norm(x)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows of a batch must be real streams of equal length (no padding: convs would mix it in)."""
-        return self.head(self.features(tokens))  # B,T,4
+    def forward(self, tokens: torch.Tensor, voices: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of a batch must be real streams of equal length (no padding: convs would mix it in).
+        `voices` is ignored by a model trained without the voice track (voice_dim = 0)."""
+        return self.head(self.features(tokens, voices))  # B,T,4
 
 
 # ----------------------------------------------------------------------------------------------

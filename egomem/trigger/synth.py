@@ -506,6 +506,22 @@ def poll_voices(cache: CodeCache, stream: SynthStream, poll_steps: int = 25, win
     return out
 
 
+def track_features(cache: CodeCache, stream: SynthStream, dim: int, window_steps: int,
+                   rng: np.random.Generator | None = None, drop_track_p: float = 0.0,
+                   drop_poll_p: float = 0.0) -> np.ndarray:
+    """The voice features [T, dim + 2] a trigger reading the voice track gets for this stream
+    (`poll_voices` -> `voice_track.voice_features`). In training (`rng`), the whole track is dropped
+    with `drop_track_p` (a chunk recorded without speaker encoder: the trigger must still label from
+    the codes) and each poll with `drop_poll_p` (a missed poll); no draw is made when both are 0."""
+    from egomem.trigger.voice_track import voice_features
+
+    track = poll_voices(cache, stream, window_steps=window_steps)
+    if rng is not None and (drop_track_p > 0 or drop_poll_p > 0):
+        keep = rng.random(len(track)) >= drop_poll_p
+        track = [] if rng.random() < drop_track_p else [p for p, k in zip(track, keep) if k]
+    return voice_features(track, stream.tokens.shape[0], dim, window_steps)
+
+
 def synth_batch(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, batch: int,
                 noised_p: float = 0.5) -> list[SynthStream]:
     """B streams of the same spec, each noised with probability `noised_p`, with their speaker ground truth."""

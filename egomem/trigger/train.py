@@ -13,9 +13,10 @@ of the shipped trained tiny codec (`egomem train-codec`), is made by
         --out egomem/data/trigger_tiny.safetensors --seed 0 --steps 3000
 
 (LibriSpeech FLAC as in the project's shared data; no espeak/flite needed), with the default
-auxiliary voice-change loss (`--voice-change-weight 0.5`; 0 trains without it, as the trigger
-shipped before: held-out F1@5 clean / noised 0.608 / 0.323 against 0.628 / 0.357 with it, same
-bench_trigger run). Training: ≈20 min on a 2-core CPU (one torch thread, ~2.5 steps/s), longer
+auxiliary voice-change loss (`--voice-change-weight 0.5`; 0 trains without it: held-out F1@5 clean /
+noised 0.608 / 0.323 against 0.628 / 0.357 with it, same bench_trigger run), reading the recorded
+voice track (`trigger.voice_dim = 256`, withheld on `--drop-track-p` of the streams; trainer's 48
+held-out streams: F1@5 clean / noised 0.766 / 0.481 against 0.636 / 0.334 for the codes-only trigger). Training: ≈20 min on a 2-core CPU (one torch thread, ~2.5 steps/s), longer
 while the machine is shared; building the code cache the first time: ≈5 min idle (≈20 min shared).
 Rerunning the command after a kill resumes from `--ckpt-dir`.
 For real Mimi weights set `mimi.weights` in the config (`--config`) and run the same command.
@@ -40,12 +41,14 @@ from egomem.trigger.decode import configured_viterbi, decode_sessions
 from egomem.trigger.metrics import evaluate
 from egomem.trigger.model import TriggerModel, TriggerModelConfig, save_trigger
 from egomem.trigger.synth import (
+    STEP_S,
     CodeCache,
     StreamSpec,
     build_cache,
     cache_path,
     synth_batch,
-    synth_stream,
+    synth_recorded,
+    track_features,
     voice_change_targets,
 )
 
@@ -75,6 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="weight of an auxiliary loss (training only): on every step of user speech, is this "
                         "another user than the one who spoke before? (a second head; not in the checkpoint; "
                         "0 turns it off)")
+    p.add_argument("--drop-track-p", type=float, default=0.2,
+                   help="a trigger reading the voice track (trigger.voice_dim > 0): share of training streams whose "
+                        "whole track is withheld, so it still labels chunks recorded without a speaker encoder")
+    p.add_argument("--drop-poll-p", type=float, default=0.1, help="likewise, share of single polls withheld")
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--eval-streams", type=int, default=48, help="held-out streams per condition at the end")
     p.add_argument("--threads", type=int, default=1,
@@ -103,28 +110,43 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), weight=w)  # (B*T),4
 
 
+def voices_of(model: TriggerModel, cache: CodeCache, streams: list, rng: np.random.Generator | None = None,
+              drop_track_p: float = 0.0, drop_poll_p: float = 0.0) -> torch.Tensor | None:
+    """[B, T, voice_dim + 2] voice-track features of the streams, or None for a codes-only trigger."""
+    c = model.cfg
+    if not c.voice_dim:
+        return None
+    return torch.from_numpy(np.stack([track_features(cache, st, c.voice_dim, c.voice_window_steps, rng, drop_track_p,
+                                                     drop_poll_p) for st in streams]))
+
+
 @torch.no_grad()
 def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noised: bool,
-                   spec: StreamSpec | None = None, decoding: TriggerConfig | None = None) -> dict:
+                   spec: StreamSpec | None = None, decoding: TriggerConfig | None = None,
+                   voices: bool = True) -> dict:
     """span metrics on n held-out streams (seeded: the same streams for every model), decoded as the
-    labeler decodes (`configured_viterbi` with `decoding`'s gap rule and minimum session length)."""
+    labeler decodes (`configured_viterbi` with `decoding`'s gap rule and minimum session length).
+    A trigger that reads the voice track gets the streams' polls unless `voices` is False."""
     decoding = decoding or TriggerConfig()
     spec = spec or StreamSpec(steps=1024)
     rng = np.random.default_rng([seed, 7, int(noised)])
     preds, golds = [], []
     model.eval()
     for _ in range(n):
-        tokens, _, gold = synth_stream(cache, rng, spec, noised=noised)
-        log_probs = torch.log_softmax(model(torch.from_numpy(tokens)[None])[0], -1).numpy()  # T,4
+        st = synth_recorded(cache, rng, spec, noised=noised)
+        v = voices_of(model, cache, [st]) if voices else None
+        log_probs = torch.log_softmax(model(torch.from_numpy(st.tokens)[None], v)[0], -1).numpy()  # T,4
         preds.append(decode_sessions(configured_viterbi(log_probs, decoding)))
-        golds.append(gold)
+        golds.append(st.sessions)
     return evaluate(preds, golds)
 
 
-def make_model(t, seed: int) -> TriggerModel:
-    """A fresh trigger network with the dims of a TriggerConfig section, seeded."""
+def make_model(t, seed: int, voice_window_steps: int = 38) -> TriggerModel:
+    """A fresh trigger network with the dims of a TriggerConfig section, seeded; `voice_window_steps`:
+    how many steps one voice poll covers (orchestrator.identify_window_s / 80 ms, rounded up)."""
     mcfg = TriggerModelConfig(dim=t.dim, num_layers=t.num_layers, num_heads=t.num_heads, emb_rank=t.emb_rank,
-                              text_buckets=t.text_buckets, conv_kernel=t.conv_kernel)
+                              text_buckets=t.text_buckets, conv_kernel=t.conv_kernel, voice_dim=t.voice_dim,
+                              voice_window_steps=voice_window_steps)
     torch.manual_seed(seed)
     return TriggerModel(mcfg)
 
@@ -132,7 +154,8 @@ def make_model(t, seed: int) -> TriggerModel:
 def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream_steps: int, lr: float,
         seed: int, ckpt: Path | None = None, ckpt_every: int = 100, resume: bool = True,
         stop_after: int | None = None, progress: bool = True, max_stream_steps: int | None = None,
-        long_p: float = 0.0, voice_change_weight: float = 0.0) -> list[float]:
+        long_p: float = 0.0, voice_change_weight: float = 0.0, drop_track_p: float = 0.0,
+        drop_poll_p: float = 0.0) -> list[float]:
     """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
 
     A share `long_p` of the steps trains on ONE stream of 1024..`max_stream_steps` steps instead of
@@ -142,6 +165,9 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     speech to say whether this is another user than the previous speech run's (`voice_change_targets`):
     a dense signal for what a user switch after a short pause hangs on, the voice. The head is part of
     the resumable state, not of the model (the shipped checkpoint and its serving are unchanged).
+
+    A model with `voice_dim` > 0 also reads each stream's voice track (`track_features`), the whole
+    track dropped with `drop_track_p` and each poll with `drop_poll_p`, so it labels without one too.
 
     With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
     `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
@@ -158,10 +184,12 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     start, losses = 0, []
     if ckpt is not None and ckpt.is_file() and resume:
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if (state["model_cfg"], state["seed"], state.get("total_steps"), state.get("voice_change_weight", 0.0)) \
-                != (model.cfg.to_dict(), seed, steps, voice_change_weight):
-            raise SystemExit(f"{ckpt} was made with another model config, seed, --steps or --voice-change-weight; "
-                             f"pass --no-resume or another --ckpt-dir")
+        made = (state["model_cfg"], state["seed"], state.get("total_steps"), state.get("voice_change_weight", 0.0),
+                state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0))
+        old_cfg = {**TriggerModelConfig().to_dict(), **made[0]}  # a state saved before a config field existed
+        if (old_cfg, *made[1:]) != (model.cfg.to_dict(), seed, steps, voice_change_weight, drop_track_p, drop_poll_p):
+            raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight or "
+                             f"voice dropout; pass --no-resume or another --ckpt-dir")
         model.load_state_dict(state["model"])
         if voice_head is not None:
             voice_head.load_state_dict(state["voice_head"])
@@ -180,7 +208,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
             spec, b = StreamSpec(steps=stream_steps), batch
         streams = synth_batch(cache, rng, spec, b)
         tokens = torch.from_numpy(np.stack([st.tokens for st in streams]))  # B,T,17
-        feats = model.features(tokens)  # B,T,dim
+        feats = model.features(tokens, voices_of(model, cache, streams, rng, drop_track_p, drop_poll_p))  # B,T,dim
         loss = loss_fn(model.head(feats), torch.from_numpy(np.stack([st.labels for st in streams])))
         if voice_head is not None:
             change = torch.from_numpy(np.stack([voice_change_targets(st.speaker) for st in streams]))  # B,T
@@ -200,6 +228,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                         "step": step + 1, "losses": losses, "model_cfg": model.cfg.to_dict(), "seed": seed,
                         "total_steps": steps, "voice_change_weight": voice_change_weight,
+                        "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p,
                         "voice_head": voice_head.state_dict() if voice_head is not None else None}, tmp)
             tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
     model.eval()
@@ -212,13 +241,14 @@ def train(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     train_cache = load_or_build_cache(args, cfg.mimi, "train")
     held_cache = load_or_build_cache(args, cfg.mimi, "heldout")
-    model = make_model(cfg.trigger, args.seed)
+    model = make_model(cfg.trigger, args.seed, int(np.ceil(cfg.orchestrator.identify_window_s / STEP_S - 1e-9)))
     ckpt = args.ckpt_dir / "last.pt"
     t0 = time.time()
     losses = fit(model, train_cache, steps=args.steps, batch=args.batch, stream_steps=args.stream_steps, lr=args.lr,
                  seed=args.seed, ckpt=ckpt, ckpt_every=args.ckpt_every, resume=not args.no_resume,
                  max_stream_steps=args.max_stream_steps, long_p=args.long_p,
-                 voice_change_weight=args.voice_change_weight)
+                 voice_change_weight=args.voice_change_weight, drop_track_p=args.drop_track_p,
+                 drop_poll_p=args.drop_poll_p)
     train_s = time.time() - t0
     from egomem.trigger.codec import build_codec, codec_fingerprint
 
@@ -230,6 +260,7 @@ def train(args: argparse.Namespace) -> dict:
         "mimi_preset": cfg.mimi.preset,
         "mimi_weights": str(cfg.mimi.weights),
         "mimi_codec": codec_name(cfg.mimi),
+        "voice_encoder": cfg.identity.voice_backend if model.cfg.voice_dim else "none",
         "train_command": "python -m egomem.trigger.train " + shlex.join(args.argv),
         "seed": args.seed,
         "steps": args.steps,
