@@ -10,7 +10,7 @@ import torch
 from egomem.config import TriggerConfig
 from egomem.trigger.decode import decode_sessions
 from egomem.trigger.synth import TEXT_PAD, CodeCache, StreamSpec, synth_stream
-from egomem.trigger.train import fit, main, make_model
+from egomem.trigger.train import FINE_CODEBOOKS, augment_codes, fit, main, make_model
 
 CACHE = Path(__file__).parent / "data" / "trigger" / "heldout_codes.npz"
 TINY = TriggerConfig(dim=32, num_layers=1, num_heads=2, emb_rank=4, text_buckets=64, conv_kernel=5)
@@ -109,6 +109,50 @@ def test_a_trigger_reading_the_voice_track_trains_with_dropout_and_resumes_to_th
         torch.testing.assert_close(resumed.state_dict()[k], v)
     with pytest.raises(SystemExit, match="voice dropout"):
         fit(make_model(TINY, seed=1), cache, ckpt=ckpt, **(kw | {"drop_poll_p": 0.0}))
+
+
+def test_code_augmentation_replaces_only_fine_codes_at_its_rate():
+    """augment_codes: text, both first codebooks and "no input" (-1) are kept; about p of the fine codes
+    change; p = 0 leaves the tokens as they were."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 2048, (2, 400, 17))
+    tokens[:, :50, 9:] = -1  # no listen input yet
+    out = augment_codes(tokens, np.random.default_rng(1), 0.25)
+    kept = np.setdiff1d(np.arange(17), FINE_CODEBOOKS)
+    assert sorted(kept.tolist()) == [0, 1, 9]
+    np.testing.assert_array_equal(out[..., kept], tokens[..., kept])
+    assert (out[:, :50, 9:] == -1).all()
+    changed = (out != tokens)[:, 50:, FINE_CODEBOOKS].mean()
+    assert 0.2 < changed < 0.26  # a replacement may draw the same code (1 in 2,048)
+    assert out.min() >= -1 and out.max() < 2048
+    np.testing.assert_array_equal(augment_codes(tokens, np.random.default_rng(1), 0.0), tokens)
+
+
+def test_dropout_and_code_augmentation_train_resume_to_the_same_weights_and_leave_labelling_alone(cache, tmp_path):
+    """--dropout / --code-aug-p: both change the training loss, a resumed run draws the same masks and
+    codes (bit-exact weights), another --code-aug-p refuses the resume, and in eval mode dropout is off
+    (two passes give the same logits)."""
+    torch.set_num_threads(1)
+    kw = dict(steps=6, batch=2, stream_steps=256, lr=3e-3, seed=3, progress=False, code_aug_p=0.2)
+    plain_first = fit(make_model(TINY, seed=1), cache, **(kw | {"code_aug_p": 0.0}))[0]
+    straight = make_model(TINY, seed=1, dropout=0.2)
+    losses = fit(straight, cache, **kw)
+    assert fit(make_model(TINY, seed=1), cache, **kw)[0] != losses[0]  # dropout reaches the loss
+    assert fit(make_model(TINY, seed=1, dropout=0.2), cache, **(kw | {"code_aug_p": 0.0}))[0] != losses[0]
+    assert plain_first != losses[0]
+    ckpt = tmp_path / "ckpt" / "last.pt"
+    fit(make_model(TINY, seed=1, dropout=0.2), cache, ckpt=ckpt, ckpt_every=2, stop_after=3, **kw)
+    torch.manual_seed(123)  # the global generator's state must not matter to a resumed run
+    resumed = make_model(TINY, seed=1, dropout=0.2)
+    assert fit(resumed, cache, ckpt=ckpt, **kw) == losses
+    for k, v in straight.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v, rtol=0, atol=0)
+    with pytest.raises(SystemExit, match="code-aug-p"):
+        fit(make_model(TINY, seed=1, dropout=0.2), cache, ckpt=ckpt, **(kw | {"code_aug_p": 0.1}))
+    tokens = torch.from_numpy(synth_stream(cache, np.random.default_rng(0), StreamSpec(steps=200), False)[0])[None]
+    assert not straight.training
+    with torch.no_grad():
+        torch.testing.assert_close(straight(tokens), straight(tokens), rtol=0, atol=0)
 
 
 def test_cli_needs_data_to_build_a_missing_cache(tmp_path):

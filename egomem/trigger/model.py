@@ -48,6 +48,7 @@ class TriggerModelConfig:
     ffn_mult: int = 4
     voice_dim: int = 0  # > 0: also reads the recorded voice track (voice_track.voice_features), e.g. 256 for GE2E
     voice_window_steps: int = 38  # steps one voice poll covers (orchestrator.identify_window_s = 3 s)
+    dropout: float = 0.0  # training only (model.train()): on each residual branch and the attention weights
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,9 +81,10 @@ class _ShiftConv(nn.Module):
 class _Block(nn.Module):
     """Pre-norm block: dilated depthwise conv (local order), full bidirectional attention, FFN."""
 
-    def __init__(self, dim: int, heads: int, ffn_mult: int, kernel: int, dilation: int):
+    def __init__(self, dim: int, heads: int, ffn_mult: int, kernel: int, dilation: int, dropout: float = 0.0):
         super().__init__()
         self.heads = heads
+        self.drop = nn.Dropout(dropout)  # identity in eval mode, and with p = 0
         self.norm0 = nn.LayerNorm(dim)
         self.conv = _ShiftConv(dim, kernel, dilation)
         self.norm1 = nn.LayerNorm(dim)
@@ -93,12 +95,13 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        x = x + self.conv(self.norm0(x))  # B,T,C
+        x = x + self.drop(self.conv(self.norm0(x)))  # B,T,C
         q, k, v = self.qkv(self.norm1(x)).split(C, dim=-1)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # B,H,T,D
-        y = F.scaled_dot_product_attention(q, k, v)  # B,H,T,D; no mask: every step sees the whole chunk
-        x = x + self.out(y.transpose(1, 2).reshape(B, T, C))  # B,T,C
-        return x + self.ffn(self.norm2(x))
+        p = self.drop.p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # B,H,T,D; no mask: every step sees the whole chunk
+        x = x + self.drop(self.out(y.transpose(1, 2).reshape(B, T, C)))  # B,T,C
+        return x + self.drop(self.ffn(self.norm2(x)))
 
 
 class TriggerModel(nn.Module):
@@ -119,7 +122,7 @@ class TriggerModel(nn.Module):
         self.conv = _ShiftConv(d, cfg.conv_kernel, 1)
         self.conv_norm = nn.LayerNorm(d)
         self.blocks = nn.ModuleList(
-            [_Block(d, cfg.num_heads, cfg.ffn_mult, cfg.conv_kernel, 2**i) for i in range(cfg.num_layers)]
+            [_Block(d, cfg.num_heads, cfg.ffn_mult, cfg.conv_kernel, 2**i, cfg.dropout) for i in range(cfg.num_layers)]
         )  # dilations 1, 2, 4, ...: receptive field of the convs ~ (kernel - 1) * 2**layers steps
         self.out_norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, NUM_LABELS)

@@ -82,6 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a trigger reading the voice track (trigger.voice_dim > 0): share of training streams whose "
                         "whole track is withheld, so it still labels chunks recorded without a speaker encoder")
     p.add_argument("--drop-poll-p", type=float, default=0.1, help="likewise, share of single polls withheld")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout on the network's residual branches and attention weights (training only; "
+                        "stored in the checkpoint's config, inactive when labelling)")
+    p.add_argument("--code-aug-p", type=float, default=0.0,
+                   help="share of the fine audio codes (codebooks 2-8 of both channels) replaced by random codes "
+                        "in training, so the tagger cannot learn the few training utterances' exact code sequences")
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--eval-streams", type=int, default=48, help="held-out streams per condition at the end")
     p.add_argument("--threads", type=int, default=1,
@@ -141,12 +147,31 @@ def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noi
     return evaluate(preds, golds)
 
 
-def make_model(t, seed: int, voice_window_steps: int = 38) -> TriggerModel:
+FINE_CODEBOOKS = np.r_[2:9, 10:17]  # token columns of codebooks 2-8 of the speak (1-8) and listen (9-16) channels
+
+
+def augment_codes(tokens: np.ndarray, rng: np.random.Generator, p: float) -> np.ndarray:
+    """A copy of tokens [B, T, 17] with a share `p` of the fine audio codes (codebooks 2-8, the residual
+    detail of each step; the first codebook and the text are kept) replaced by random codes. A training
+    augmentation: 200 users with one utterance each are few enough for a tagger to learn their exact
+    code sequences (an 8,000-step run over-split held-out streams); noise in the detail keeps it on what
+    generalises."""
+    from egomem.trigger.model import AUDIO_CARD
+
+    out = tokens.copy()
+    fine = out[..., FINE_CODEBOOKS]  # B,T,14 (a copy)
+    hit = (rng.random(fine.shape) < p) & (fine >= 0)  # never turn "no input" (-1) into a code
+    fine[hit] = rng.integers(0, AUDIO_CARD, int(hit.sum()))
+    out[..., FINE_CODEBOOKS] = fine
+    return out
+
+
+def make_model(t, seed: int, voice_window_steps: int = 38, dropout: float = 0.0) -> TriggerModel:
     """A fresh trigger network with the dims of a TriggerConfig section, seeded; `voice_window_steps`:
     how many steps one voice poll covers (orchestrator.identify_window_s / 80 ms, rounded up)."""
     mcfg = TriggerModelConfig(dim=t.dim, num_layers=t.num_layers, num_heads=t.num_heads, emb_rank=t.emb_rank,
                               text_buckets=t.text_buckets, conv_kernel=t.conv_kernel, voice_dim=t.voice_dim,
-                              voice_window_steps=voice_window_steps)
+                              voice_window_steps=voice_window_steps, dropout=dropout)
     torch.manual_seed(seed)
     return TriggerModel(mcfg)
 
@@ -155,7 +180,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         seed: int, ckpt: Path | None = None, ckpt_every: int = 100, resume: bool = True,
         stop_after: int | None = None, progress: bool = True, max_stream_steps: int | None = None,
         long_p: float = 0.0, voice_change_weight: float = 0.0, drop_track_p: float = 0.0,
-        drop_poll_p: float = 0.0) -> list[float]:
+        drop_poll_p: float = 0.0, code_aug_p: float = 0.0) -> list[float]:
     """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
 
     A share `long_p` of the steps trains on ONE stream of 1024..`max_stream_steps` steps instead of
@@ -168,6 +193,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
 
     A model with `voice_dim` > 0 also reads each stream's voice track (`track_features`), the whole
     track dropped with `drop_track_p` and each poll with `drop_poll_p`, so it labels without one too.
+    `code_aug_p` > 0 replaces that share of the fine audio codes by random ones (`augment_codes`).
 
     With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
     `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
@@ -185,11 +211,12 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     if ckpt is not None and ckpt.is_file() and resume:
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         made = (state["model_cfg"], state["seed"], state.get("total_steps"), state.get("voice_change_weight", 0.0),
-                state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0))
+                state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0), state.get("code_aug_p", 0.0))
         old_cfg = {**TriggerModelConfig().to_dict(), **made[0]}  # a state saved before a config field existed
-        if (old_cfg, *made[1:]) != (model.cfg.to_dict(), seed, steps, voice_change_weight, drop_track_p, drop_poll_p):
-            raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight or "
-                             f"voice dropout; pass --no-resume or another --ckpt-dir")
+        if (old_cfg, *made[1:]) != (model.cfg.to_dict(), seed, steps, voice_change_weight, drop_track_p, drop_poll_p,
+                                    code_aug_p):
+            raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight, "
+                             f"voice dropout or --code-aug-p; pass --no-resume or another --ckpt-dir")
         model.load_state_dict(state["model"])
         if voice_head is not None:
             voice_head.load_state_dict(state["voice_head"])
@@ -207,8 +234,13 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         else:
             spec, b = StreamSpec(steps=stream_steps), batch
         streams = synth_batch(cache, rng, spec, b)
-        tokens = torch.from_numpy(np.stack([st.tokens for st in streams]))  # B,T,17
-        feats = model.features(tokens, voices_of(model, cache, streams, rng, drop_track_p, drop_poll_p))  # B,T,dim
+        voices = voices_of(model, cache, streams, rng, drop_track_p, drop_poll_p)
+        tokens = np.stack([st.tokens for st in streams])  # B,T,17
+        if code_aug_p > 0:  # drawn after the streams and the track: with 0 the run draws what it drew before
+            tokens = augment_codes(tokens, rng, code_aug_p)
+        if model.cfg.dropout > 0:  # dropout's masks from a per-step seed, so a resumed run draws the same ones
+            torch.manual_seed(int(np.random.default_rng([seed, step, 1]).integers(2**62)))
+        feats = model.features(torch.from_numpy(tokens), voices)  # B,T,dim
         loss = loss_fn(model.head(feats), torch.from_numpy(np.stack([st.labels for st in streams])))
         if voice_head is not None:
             change = torch.from_numpy(np.stack([voice_change_targets(st.speaker) for st in streams]))  # B,T
@@ -228,7 +260,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                         "step": step + 1, "losses": losses, "model_cfg": model.cfg.to_dict(), "seed": seed,
                         "total_steps": steps, "voice_change_weight": voice_change_weight,
-                        "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p,
+                        "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p, "code_aug_p": code_aug_p,
                         "voice_head": voice_head.state_dict() if voice_head is not None else None}, tmp)
             tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
     model.eval()
@@ -241,14 +273,15 @@ def train(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     train_cache = load_or_build_cache(args, cfg.mimi, "train")
     held_cache = load_or_build_cache(args, cfg.mimi, "heldout")
-    model = make_model(cfg.trigger, args.seed, int(np.ceil(cfg.orchestrator.identify_window_s / STEP_S - 1e-9)))
+    model = make_model(cfg.trigger, args.seed, int(np.ceil(cfg.orchestrator.identify_window_s / STEP_S - 1e-9)),
+                       dropout=args.dropout)
     ckpt = args.ckpt_dir / "last.pt"
     t0 = time.time()
     losses = fit(model, train_cache, steps=args.steps, batch=args.batch, stream_steps=args.stream_steps, lr=args.lr,
                  seed=args.seed, ckpt=ckpt, ckpt_every=args.ckpt_every, resume=not args.no_resume,
                  max_stream_steps=args.max_stream_steps, long_p=args.long_p,
                  voice_change_weight=args.voice_change_weight, drop_track_p=args.drop_track_p,
-                 drop_poll_p=args.drop_poll_p)
+                 drop_poll_p=args.drop_poll_p, code_aug_p=args.code_aug_p)
     train_s = time.time() - t0
     from egomem.trigger.codec import build_codec, codec_fingerprint
 
