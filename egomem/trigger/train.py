@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "whole track is withheld, so it still labels chunks recorded without a speaker encoder")
     p.add_argument("--drop-poll-p", type=float, default=0.1, help="likewise, share of single polls withheld")
     p.add_argument("--dropout", type=float, default=0.0,
-                   help="dropout on the network's residual branches and attention weights (training only; "
+                   help="dropout on the network's residual branches (training only; "
                         "stored in the checkpoint's config, inactive when labelling)")
     p.add_argument("--code-aug-p", type=float, default=0.0,
                    help="share of the fine audio codes (codebooks 2-8 of both channels) replaced by random codes "
