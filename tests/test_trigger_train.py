@@ -130,13 +130,15 @@ def test_code_augmentation_replaces_only_fine_codes_at_its_rate():
 
 def test_dropout_and_code_augmentation_train_resume_to_the_same_weights_and_leave_labelling_alone(cache, tmp_path):
     """--dropout / --code-aug-p: both change the training loss, a resumed run draws the same masks and
-    codes (bit-exact weights), another --code-aug-p refuses the resume, and in eval mode dropout is off
-    (two passes give the same logits)."""
+    codes (bit-exact weights) and the caller's torch generator is left as it was, another --code-aug-p
+    refuses the resume, and in eval mode dropout is off (two passes give the same logits)."""
     torch.set_num_threads(1)
     kw = dict(steps=6, batch=2, stream_steps=256, lr=3e-3, seed=3, progress=False, code_aug_p=0.2)
     plain_first = fit(make_model(TINY, seed=1), cache, **(kw | {"code_aug_p": 0.0}))[0]
     straight = make_model(TINY, seed=1, dropout=0.2)
+    rng_before = torch.get_rng_state()
     losses = fit(straight, cache, **kw)
+    assert torch.equal(torch.get_rng_state(), rng_before)  # the masks come from their own seeds, not the caller's
     assert fit(make_model(TINY, seed=1), cache, **kw)[0] != losses[0]  # dropout reaches the loss
     assert fit(make_model(TINY, seed=1, dropout=0.2), cache, **(kw | {"code_aug_p": 0.0}))[0] != losses[0]
     assert plain_first != losses[0]

@@ -242,9 +242,10 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         tokens = np.stack([st.tokens for st in streams])  # B,T,17
         if code_aug_p > 0:  # drawn after the streams and the track: with 0 the run draws what it drew before
             tokens = augment_codes(tokens, rng, code_aug_p)
-        if model.cfg.dropout > 0:  # dropout's masks from a per-step seed, so a resumed run draws the same ones
-            torch.manual_seed(int(np.random.default_rng([seed, step, 1]).integers(2**62)))
-        feats = model.features(torch.from_numpy(tokens), voices)  # B,T,dim
+        with torch.random.fork_rng(devices=[], enabled=model.cfg.dropout > 0):  # the caller's generator is left alone
+            if model.cfg.dropout > 0:  # dropout's masks from a per-step seed, so a resumed run draws the same ones
+                torch.manual_seed(int(np.random.default_rng([seed, step, 1]).integers(2**62)))
+            feats = model.features(torch.from_numpy(tokens), voices)  # B,T,dim
         loss = loss_fn(model.head(feats), torch.from_numpy(np.stack([st.labels for st in streams])))
         if voice_head is not None:
             change = torch.from_numpy(np.stack([voice_change_targets(st.speaker) for st in streams]))  # B,T
