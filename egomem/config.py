@@ -228,8 +228,9 @@ class TriggerConfig:
     checkpoint: Path | None = None  # None: the shipped egomem/data/trigger_tiny.safetensors (trained on the default Mimi)
     max_chunk_steps: int = 8192  # the paper's chunk: the memory worker labels a recorded stream this much at a time
     window_steps: int = 1024  # the tagger attends over windows of this many steps (overlapping, centres kept): on
-    # 8,192-step held-out streams as accurate as one pass (bench_trigger, F1@5 clean 0.585 vs 0.585, noised 0.366 vs
-    # 0.360) in a third of the time (0.38 vs 1.19 s on one thread); it learnt on 768-1,024-step streams
+    # 8,192-step held-out streams at least as accurate as one pass (bench_trigger, shipped trigger: F1@5 clean 0.834
+    # vs 0.802, noised 0.610 vs 0.581) in a third of the time (0.90 vs 2.86 s on one thread); it learnt on
+    # 768-1,024-step streams
     window_overlap_steps: int = 128  # context kept on each side of a window seam (~10 s), then discarded
     min_gap_steps: int = 25  # decoding: sessions are adjacent (a user switch) or >= 2 s of no dialog apart, so a
     # shorter pause does not split a conversation (bench_trigger: clean F1@5 with the identity split 0.52 -> 0.63)
