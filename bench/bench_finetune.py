@@ -109,6 +109,8 @@ def main() -> int:
     p.add_argument("--drill-random-l1", type=float, default=0.0, help="egomem finetune --drill-random-l1")
     p.add_argument("--drill-span", type=int, nargs=2, default=(24, 120), help="egomem finetune --drill-span")
     p.add_argument("--turn-head-weight", type=float, default=1.0, help="egomem finetune --turn-head-weight")
+    p.add_argument("--context", choices=["stream", "dialog"], default="stream",
+                   help="egomem finetune --context; 'dialog' evaluates with eval-dialog --new-person restart")
     p.add_argument("--served-fps", action="store_true", help="also time dialog_lm on a real tritonserver")
     p.add_argument("--temperature", type=float, default=0.5, help="also evaluate sampled at this temperature, beside "
                    "greedy (0: greedy only)")
@@ -149,11 +151,13 @@ def main() -> int:
                                      "--fresh-names", str(args.fresh_names), "--drills", str(args.drills),
                                      "--drill-random-l1", str(args.drill_random_l1),
                                      "--drill-span", *map(str, args.drill_span),
-                                     "--turn-head-weight", str(args.turn_head_weight), *resume,
+                                     "--turn-head-weight", str(args.turn_head_weight), "--context", args.context,
+                                     *resume,
                                      *(["--weights", str(args.init_weights)] if args.init_weights else []))
     eval_args = ["eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"), "--name",
                  "finetuned", "--peer-empty", "--peer", f"before fine-tuning={args.init_weights or 'random'}",
-                 "--judge", "rules", "--seed", str(args.seed)]
+                 "--judge", "rules", "--seed", str(args.seed),
+                 "--new-person", "restart" if args.context == "dialog" else "swap"]
     eval_json, sampled_json = w / "eval_dialog.json", w / "eval_dialog_sampled.json"
     times["eval_dialog_s"] = egomem(*eval_args, "--out", str(eval_json), *(["--served-fps"] if args.served_fps else []))
     if args.temperature > 0:  # the same models and streams, sampled (throughput is measured once, above)

@@ -99,6 +99,10 @@ class DialogConfig:
     l2_steps: int = 256  # Level-2 MemChunk (retrieved facts), as in the paper; also retrieval's token budget
     ring_steps: int = 0  # dialog ring; 0 = the model's trained context minus the chunks (7B: 3000 - 768)
     temperature: float = 0.0  # 0 = greedy (reproducible); Moshi samples at 0.7 text / 0.8 audio
+    # When a different person is recognised: "swap" their profile into L1 and go on with the conversation
+    # (the paper); "restart" the stream with it, a fresh conversation (for a model fine-tuned with
+    # `egomem finetune --context dialog`: docs/training.md#a-new-person)
+    new_person: Literal["swap", "restart"] = "swap"
     top_k_text: int = 25  # Moshi's LMGen defaults
     top_k_audio: int = 250
     kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: Triton kernels on CUDA, PyTorch on CPU

@@ -42,6 +42,7 @@ class DialogOut:
     text_token: int  # -2 while Moshi's acoustic delays warm up
     speak: np.ndarray  # [8] speak codes, -2 while warming up
     piece: str  # the text token as text ("" for pad / special tokens)
+    step: int  # ticks the stream's dialog has taken (counts again from 1 after a restart)
 
 
 class RefreshRow(Protocol):
@@ -49,6 +50,7 @@ class RefreshRow(Protocol):
 
     level: int  # 1 profile, 2 retrieved facts
     text: str
+    restart: bool  # the stream's dialog restarts (START) with this refresh
 
 
 class CohortStream(Protocol):
@@ -117,8 +119,9 @@ async def step_cohort(rows: list[EncodedRow], gateway: ModelGateway) -> Failures
         d_in["COHORT_MEMCHUNK_LEVEL"] = np.array([r.level if r else 0 for r in refreshes], np.int32)
         d_in["COHORT_MEMCHUNK_TEXT"] = np.array([(r.text if r else "").encode("utf-8") for r in refreshes],
                                                 dtype=np.object_)
-    calls = [_call(gateway, DIALOG_LM, group, [SEQUENCE_START if s.ticks == 0 else 0 for s in group], d_in,
-                   ["COHORT_TEXT_TOKEN", "COHORT_SPEAK_CODES", "COHORT_TEXT_PIECE"])]
+    starts = [SEQUENCE_START if s.ticks == 0 or (r is not None and r.restart) else 0 for s, r in zip(group, refreshes)]
+    calls = [_call(gateway, DIALOG_LM, group, starts, d_in,
+                   ["COHORT_TEXT_TOKEN", "COHORT_SPEAK_CODES", "COHORT_TEXT_PIECE", "COHORT_STEP"])]
     voiced = [s for s in group if s.speak_pending is not None]  # the previous tick's voice, decoded beside
     if voiced:
         calls.append(_call(gateway, MIMI_CODEC, voiced, [0] * len(voiced),
@@ -140,7 +143,8 @@ async def step_cohort(rows: list[EncodedRow], gateway: ModelGateway) -> Failures
             continue
         raw = d_out["COHORT_TEXT_PIECE"][r]
         piece = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-        out = DialogOut(int(d_out["COHORT_TEXT_TOKEN"][r]), d_out["COHORT_SPEAK_CODES"][r].astype(np.int64), piece)
+        out = DialogOut(int(d_out["COHORT_TEXT_TOKEN"][r]), d_out["COHORT_SPEAK_CODES"][r].astype(np.int64), piece,
+                        int(d_out["COHORT_STEP"][r]))
         try:
             s.finish_tick(row.pcm, row.listen, out, audio_of.get(s), refresh)
         except Exception as e:  # noqa: BLE001 - a bug in one stream's bookkeeping ends that stream only

@@ -17,6 +17,7 @@ class Refresh:
     text: str
     user_id: str | None
     asked_at: float
+    restart: bool = False  # restart the dialog stream with this L1 (`[dialog] new_person = "restart"`)
 
 
 class MemChunk:
@@ -25,14 +26,15 @@ class MemChunk:
         self.user_id: str | None = None  # who the stream personalises for; None: nobody (yet)
         self._waiting: collections.deque[Refresh] = collections.deque()
 
-    def request(self, level: int, text: str, user_id: str | None) -> None:
+    def request(self, level: int, text: str, user_id: str | None, restart: bool = False) -> None:
         if level == 1:  # a new L1 resets L2 to text pad in the engine: drop any L2 still waiting
             self._waiting = collections.deque(r for r in self._waiting if r.level != 2)
-        self._waiting.append(Refresh(level, text, user_id, time.monotonic()))
+        self._waiting.append(Refresh(level, text, user_id, time.monotonic(), restart))
 
-    def profile(self, text: str, user_id: str) -> None:
-        """An L1 refresh with `user_id`'s rendered profile, cut to what the MemChunk holds."""
-        self.request(1, fit(text, self.l1_steps), user_id)
+    def profile(self, text: str, user_id: str, restart: bool = False) -> None:
+        """An L1 refresh with `user_id`'s rendered profile, cut to what the MemChunk holds; `restart`: the
+        dialog stream starts afresh with it (a new conversation for a new person)."""
+        self.request(1, fit(text, self.l1_steps), user_id, restart)
 
     def take(self) -> Refresh | None:
         """The refresh to apply with this tick's dialog step, if one is waiting."""

@@ -115,4 +115,4 @@ class IdentityPoller:
                              previous_user_id=previous, latency_ms=round(dt * 1000, 1), poll=self.polls,
                              face_distance=ident.face_distance, voice_score=ident.voice_score))
         text = await asyncio.to_thread(p.profile_text, ident.user_id, self.cfg.memory.profile_max_chars)
-        self.memchunk.profile(text, ident.user_id)
+        self.memchunk.profile(text, ident.user_id, restart=self.cfg.dialog.new_person == "restart")

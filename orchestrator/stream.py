@@ -246,7 +246,8 @@ class Stream:
             dt = time.monotonic() - refresh.asked_at
             self.s.metrics.observe("egomem_refresh_seconds", dt)
             self.send(pack_event("memchunk_refreshed", level=refresh.level, user_id=refresh.user_id,
-                                 text=refresh.text, latency_ms=round(dt * 1000, 1)))
+                                 text=refresh.text, latency_ms=round(dt * 1000, 1), restarted=refresh.restart,
+                                 dialog_step=d.step))
         if audio is not None:
             opus = self._opus_out.append_pcm(audio.reshape(-1).astype(np.float32))
             if len(opus):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -97,14 +98,17 @@ IDENTIFY_MODELS = DIALOG_MODELS + ("face_encoder", "speaker_encoder")
 
 
 @contextlib.contextmanager
-def served_orchestrator(triton, run_dir: Path, models: tuple[str, ...] = DIALOG_MODELS, **orch):
+def served_orchestrator(triton, run_dir: Path, models: tuple[str, ...] = DIALOG_MODELS, dialog: dict | None = None,
+                        **orch):
     """The orchestrator app in a thread, on the session's tritonserver with `models` loaded;
-    `orch` overrides [orchestrator] keys."""
+    `orch` overrides [orchestrator] keys, `dialog` the orchestrator's [dialog] keys (not the served model's)."""
     from tests.conftest import test_config
 
     for m in models:
         triton.load(m)
     cfg = orchestrator_config(test_config(run_dir), run_dir, triton.grpc_url, **orch)
+    if dialog:
+        cfg = dataclasses.replace(cfg, dialog=dataclasses.replace(cfg.dialog, **dialog))
     with OrchestratorThread(cfg) as o:
         yield o
 

@@ -37,13 +37,19 @@ def _face_key(triton, image_path: Path) -> tuple[str, np.ndarray]:
     return r.as_numpy("MODEL_ID")[0].decode(), r.as_numpy("EMBEDDINGS")[int(r.as_numpy("SPEAKER")[0])]
 
 
+def _seen_user(store, triton, name: str, fact: str):
+    """A person the camera will recognise (img1.jpg's face; the chats send img2.jpg, another photo) with a fact."""
+    user = store.create_user(name)
+    store.add_key(user.user_id, "face", *_face_key(triton, DATA / "img1.jpg"))
+    store.add_fact(user.user_id, fact)
+    return user
+
+
 def test_forget_redacts_and_reloads_an_open_stream_of_another_user(orch):
     triton, o = orch
     store = open_store(o.cfg.memory)
     try:
-        jane = store.create_user("Jane Roe")
-        store.add_key(jane.user_id, "face", *_face_key(triton, DATA / "img1.jpg"))
-        store.add_fact(jane.user_id, "works with Max Moe on radar")
+        jane = _seen_user(store, triton, "Jane Roe", "works with Max Moe on radar")
         max_ = store.create_user("Max Moe")
         store.add_fact(max_.user_id, "sails on weekends")
         store.add_relation(jane.user_id, max_.user_id, "colleague")
@@ -74,9 +80,50 @@ def test_forget_redacts_and_reloads_an_open_stream_of_another_user(orch):
             return before, res, after
 
     before, res, after = run(go())
+    # new_person = "swap" (the default): the profile enters the running conversation, no restart
+    assert before["restarted"] is False and before["dialog_step"] > 1
     assert "Max Moe (colleague)" in before["text"] and "works with Max Moe on radar" in before["text"]
     assert res["verified_leftovers"] == [] and res["receipt"]["leftovers"] == []
     assert res["receipt"]["redacted"]["memory_items.text"] == 1
     assert after["user_id"] == jane.user_id and after["text"].startswith("name: Jane Roe")
     assert "Max Moe" not in after["text"] and f"works with {MARKER} on radar" in after["text"]
     assert "colleague" not in after["text"]  # the relation went with him
+
+
+@pytest.fixture(scope="module")
+def orch_restart(triton, tmp_path_factory):
+    d = tmp_path_factory.mktemp("orch_restart")
+    with served_orchestrator(triton, d, IDENTIFY_MODELS, dialog={"new_person": "restart"}, retrieval=False,
+                             poll_interval_s=1.0) as o:
+        yield triton, o
+
+
+def test_new_person_restart_opens_a_fresh_dialog_with_the_profile(orch_restart):
+    """[dialog] new_person = "restart" (a model fine-tuned with --context dialog): the stream's dialog starts
+    afresh with the recognised person's L1 (dialog_lm's step counts from 1 again), the chat goes on."""
+    triton, o = orch_restart
+    store = open_store(o.cfg.memory)
+    try:
+        ann = _seen_user(store, triton, "Ann Lee", "plays the cello")
+    finally:
+        store.close()
+    face = (DATA / "img2.jpg").read_bytes()
+    voice = load_voice(DATA / "1998-15444-0007.flac")
+
+    async def go():
+        async with EgoMemClient(o.url, STREAM_TOKEN) as c:
+            chat = await c.open_chat()
+            talk = asyncio.create_task(stream_audio(chat, np.concatenate([voice] * 4)))
+            await asyncio.sleep(1.5)  # the conversation runs a while before anyone is seen
+            await chat.send_video(face)
+            refreshed = await chat.wait_event("memchunk_refreshed", timeout=60, level=1, user_id=ann.user_id)
+            heard = len(chat.audio_chunks)
+            await asyncio.sleep(1.5)  # the restarted dialog goes on speaking
+            talk.cancel()
+            await chat.close()
+            return refreshed, len(chat.audio_chunks) - heard, chat.errors
+
+    refreshed, audio_after, errors = run(go())
+    assert refreshed["restarted"] is True and refreshed["dialog_step"] == 1
+    assert audio_after > 0 and errors == []
+    assert refreshed["text"].startswith("name: Ann Lee") and "plays the cello" in refreshed["text"]

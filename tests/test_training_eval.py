@@ -246,11 +246,11 @@ CHARS = sorted({c for s in [*NOISED, *NOISED.values(), "ok", "Hi Cyd!", "Fine.",
 assert len(CHARS) < CARD
 
 
-def make_streams(rng: np.random.Generator) -> list[Stream]:
+def make_streams(rng: np.random.Generator, plan: list = PLAN) -> list[Stream]:
     """Hand-made streams: listen codebook 0 carries the scripted model's text (code c -> CHARS[c - 1]), the
     other rows random codes; the noised copy's script says the wrong things (NOISED)."""
     out = []
-    for i, dialogs in enumerate(PLAN):
+    for i, dialogs in enumerate(plan):
         n = 100 if i == 0 else 28
         clean, noised = (rng.integers(1, CARD, (17, n)).astype(np.int16) for _ in range(2))
         clean[9] = noised[9] = 0  # code 0: text pad
@@ -336,6 +336,31 @@ def test_evaluate_scripted_model_every_figure_known(memory):
     assert noisy["l1"]["fact_score"] == 1 / 3  # "Hi Bea!" and "Rome" wrong; "Hi Cyd!" right
     assert noisy["l1"]["greetings"]["fact_score"] == 0.5 and noisy["l1"]["answers"]["fact_score"] == 0.0
     assert noisy["l2"]["fact_score"] == 0.0 and noisy["l2"]["query"]["precision"] == 0.0
+
+
+def test_evaluate_new_person_restart_opens_the_stream_afresh(memory):
+    """new_person="restart" (serving's [dialog] new_person): a dialog of another person restarts the stream
+    with their L1 (the slot had taken no tick when it is written); the same person's next dialog does not."""
+    switch = [[(0, 2, [(2, 2, "Hi Ada!"), (10, 14, "You live in Oslo.")]),
+               (2, 34, [(41, 41, "Hi Cyd!", 35), (44, 48, "Fine.")]),
+               (0, 60, [(60, 60, "Hi Ada!", 61), (70, 74, "You live in Oslo.")])]]  # ada again after cyd: new too
+    streams = make_streams(np.random.default_rng(0), switch)
+    judge = RuleJudge([HOME], DIALOGS, fact_vocabulary())
+    runs = {}
+    for mode in ("swap", "restart"):
+        engine = CountingEngine(scripted_lm(), max_streams=1, l1_steps=512, l2_steps=256, ring_steps=32)
+        runs[mode] = evaluate(engine, TOK, DIALOGS, streams, memory, judge, new_person=mode), engine
+    (swap, e_swap), (restart, e_restart) = runs["swap"], runs["restart"]
+    assert [w[3] for w in e_swap.writes if w[1] == 1] == [0, 34, 60]
+    assert [w[3] for w in e_restart.writes if w[1] == 1] == [0, 0, 0]  # written into a fresh slot each time
+    assert swap["new_person"] == "swap" and restart["new_person"] == "restart"
+    # the scripted model speaks from the listen codes: the same replies either way, judged alike
+    assert [t["reply"] for t in restart["turns"]] == [t["reply"] for t in swap["turns"]]
+    assert restart["l1"] == swap["l1"] and restart["l1"]["greetings"] == {"fact_score": 1.0, "n": 3}
+    same = [[(0, 2, [(2, 2, "Hi Ada!"), (10, 14, "You live in Oslo.")]), (1, 42, [(42, 46, "ok")])]]
+    engine = CountingEngine(scripted_lm(), max_streams=1, l1_steps=512, l2_steps=256, ring_steps=32)
+    evaluate(engine, TOK, DIALOGS, make_streams(np.random.default_rng(0), same), memory, judge, new_person="restart")
+    assert [w[3] for w in engine.writes if w[1] == 1] == [0, 42]  # ada twice: no restart
 
 
 def test_evaluate_tiny_random_model_and_empty_memchunk_peer(memory):

@@ -298,6 +298,43 @@ def test_drills_change_the_rows_and_resume_bit_exactly(tmp_path):
         finetune(_cfg(tmp_path, "bad", drills=2.0), data, progress=False)
 
 
+class LaidOutData(MemData):
+    """MemData whose streams hold an earlier dialog: each sample's is the second, from frame `start`."""
+
+    def __init__(self, samples: list[Sample], streams: dict[str, np.ndarray], start: int):
+        super().__init__(samples, streams)
+        self.start = start
+
+    def conversation_starts(self, stream_id: str) -> list[int]:
+        return [0, self.start]
+
+
+def test_dialog_context_trains_on_each_dialog_alone(tmp_path):
+    """context='dialog': a row starts at its dialog's first frame (a stream restarted for a new person), so
+    what came before in the stream cannot change the run; context='stream' does see it."""
+    pairs = [_sample(i, NAMES[i], T=40, at=26) for i in range(4)]  # replies at 26.., the dialogs start at 20
+    samples = [dataclasses.replace(s, dialog=1) for s, _ in pairs]
+    data = LaidOutData(samples, {s.stream: t for s, t in pairs}, start=20)
+    other = {k: v.copy() for k, v in data.streams.items()}
+    for v in other.values():
+        v[0, 2:12] = TOK.encode("an earlier")  # another conversation before the dialog
+        v[9:, :20] = (v[9:, :20] + 1) % TINY["card"]
+    moved = LaidOutData(data.samples, other, start=20)
+    runs = {(ctx, name): load_file(str(finetune(_cfg(tmp_path, f"{ctx}-{name}", steps=3, context=ctx), d,
+                                                progress=False)))
+            for ctx in ("dialog", "stream") for name, d in (("a", data), ("b", moved))}
+    a, b = runs["dialog", "a"], runs["dialog", "b"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    a, b = runs["stream", "a"], runs["stream", "b"]
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(runs["dialog", "a"][k], a[k]) for k in a)
+    with pytest.raises(ValueError, match="layouts"):
+        finetune(_cfg(tmp_path, "no-layouts", context="dialog"), _data(), progress=False)
+    late = LaidOutData(data.samples, data.streams, start=30)  # the replies' spans begin before 30
+    with pytest.raises(SampleError, match="before its dialog"):
+        finetune(_cfg(tmp_path, "late", context="dialog"), late, progress=False)
+
+
 def test_lora_trains_only_adapters_and_merges(tmp_path, lm):
     data = _data()
     res = train(_cfg(tmp_path, "lora", lora=True, lora_rank=4, lora_alpha=8.0, lr=1e-2, min_lr=1e-3, steps=6),

@@ -208,6 +208,12 @@ def test_dataset_round_trip_and_rebuild(codec, tmp_path):
         twins = [s for s in ds.samples if s.stream == f"{lay.stream}-noised"]
         assert [(s.kind, s.text, s.l2_text) for s in twins] == [(s.kind, s.text, s.l2_text) for s in mine]
         assert all(s.meta["noised"] for s in twins)
+        # finetune's context="dialog": where each dialog's conversation began (a new person restarts it)
+        first, second = lay.dialogs
+        restart = second.start if second.user_id != first.user_id else 0
+        assert ds.conversation_starts(lay.stream) == ds.conversation_starts(f"{lay.stream}-noised") == [0, restart]
+    with pytest.raises(DatasetError, match="no layout"):
+        ds.conversation_starts("s999")
     with pytest.raises(FileExistsError, match="already holds a dataset"):
         build_dataset(tmp_path / "ds", [HOME], corpus, texts, codec, seed=11, progress=False)
     with pytest.raises(KeyError, match="no stream 'nope'"):

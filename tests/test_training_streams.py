@@ -18,7 +18,16 @@ import pytest
 
 from egomem.config import MimiConfig
 from egomem.dialog.tokenizer import ByteTokenizer
-from egomem.training.streams import MAX_DIALOG_STEPS, StreamBuilder, StreamSpec, TurnLayout, group_dialogs
+from egomem.training.streams import (
+    MAX_DIALOG_STEPS,
+    DialogLayout,
+    StreamBuilder,
+    StreamLayout,
+    StreamSpec,
+    TurnLayout,
+    conversation_starts,
+    group_dialogs,
+)
 from egomem.training.tts import (
     HELDOUT_VOICES,
     MODEL_VOICE,
@@ -280,3 +289,15 @@ def test_group_dialogs_by_household_and_split():
     assert groups == group_dialogs(dialogs, seed=0, per_stream=(2, 3))
     capped = group_dialogs(dialogs, seed=0, per_stream=(2, 3), streams_per_household=1)
     assert len(capped) == 3
+
+
+def test_conversation_starts_restart_for_each_new_person_only():
+    """finetune's context="dialog" / serving's new_person="restart": a conversation begins at frame 0 and again
+    where a different person's dialog starts; the same person's next dialog continues their conversation."""
+    def dialog(user: str, start: int) -> DialogLayout:
+        return DialogLayout(0, user, "v", start, start + 10, ())
+
+    users = [("ada", 2), ("ada", 20), ("bob", 40), ("cy", 60), ("cy", 80), ("ada", 100)]
+    layout = StreamLayout("s0", 120, tuple(dialog(u, s) for u, s in users))
+    assert conversation_starts(layout) == [0, 0, 40, 60, 60, 100]
+    assert conversation_starts(StreamLayout("s1", 5, ())) == []

@@ -15,7 +15,7 @@ position that a checkpoint saves so a resumed run draws exactly the batches an u
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -93,6 +93,22 @@ def _frame_mask(spans: tuple[Span, ...], start: int, length: int) -> torch.Tenso
         if b > a:
             m[a:b] = True
     return m
+
+
+def from_dialog_start(sample: Sample, tokens: np.ndarray, start: int) -> tuple[Sample, np.ndarray]:
+    """The row as a stream that begins at frame `start` (where its person's conversation began): frames before
+    it dropped, spans shifted. What the model sees when serving restarts the stream for a new person
+    (`[dialog] new_person = "restart"`; finetune's `context = "dialog"`)."""
+    if not 0 <= start <= tokens.shape[1]:
+        raise SampleError(f"sample {sample_name(sample)}: its dialog starts at frame {start}, outside stream "
+                          f"{sample.stream}'s {tokens.shape[1]} frames; the layouts and streams disagree")
+    if any(s.start < start for s in (*sample.text, *sample.speak) if s.end > s.start):
+        raise SampleError(f"sample {sample_name(sample)}: a supervised span starts before its dialog (frame {start})")
+
+    def shift(spans: tuple[Span, ...]) -> tuple[Span, ...]:
+        return tuple(Span(s.start - start, s.end - start) for s in spans)
+
+    return replace(sample, text=shift(sample.text), speak=shift(sample.speak)), tokens[:, start:]
 
 
 def make_batch(lm: LMModel, tokenizer: TextTokenizer, items: list[tuple[Sample, np.ndarray]], n1: int, n2: int,

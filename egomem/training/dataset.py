@@ -27,7 +27,15 @@ import torch
 
 from egomem.dialog.tokenizer import TextTokenizer
 from egomem.training.masks import ChunkTexts, count_kinds, for_stream, stream_samples
-from egomem.training.streams import N_ROWS, StreamBuilder, StreamLayout, StreamSpec, group_dialogs, layout_from_json
+from egomem.training.streams import (
+    N_ROWS,
+    StreamBuilder,
+    StreamLayout,
+    StreamSpec,
+    conversation_starts,
+    group_dialogs,
+    layout_from_json,
+)
 from egomem.training.tts import HELDOUT_VOICES, MODEL_VOICE, TRAIN_VOICES
 from egomem.training.types import (
     Dialog,
@@ -42,6 +50,9 @@ from egomem.training.types import (
 FORMAT = "egomem-memchunk-v1"
 _REQUIRED = ("format", "n1", "n2", "tokenizer", "codec", "seed", "generators", "counts")
 _STREAM_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+NOISED_SUFFIX = "-noised"  # stream id of a stream's noised copy: <id>-noised
 
 
 class DatasetError(ValueError):
@@ -138,6 +149,7 @@ class Dataset:
                 raise _not_a_dataset(self.path, f"{name} is missing")
         self.manifest: dict[str, Any] = manifest
         self._cache: dict[str, list] = {}
+        self._starts: dict[str, list[int]] | None = None
 
     def _lines(self, name: str, parse) -> list:
         if name not in self._cache:
@@ -168,6 +180,16 @@ class Dataset:
     @property
     def samples(self) -> list[Sample]:
         return self._lines("samples.jsonl", sample_from_json)
+
+    def conversation_starts(self, stream: str) -> list[int]:
+        """Per dialog of `stream`, where its conversation began (`streams.conversation_starts`); a noised copy
+        shares its clean stream's layout."""
+        if self._starts is None:
+            self._starts = {s.stream: conversation_starts(s) for s in self.layouts}
+        base = stream.removesuffix(NOISED_SUFFIX)
+        if base not in self._starts:
+            raise DatasetError(f"{self.path}: stream {stream!r} has no layout in layouts.jsonl; rebuild the dataset")
+        return self._starts[base]
 
     def tokens(self, stream: str) -> np.ndarray:
         """The aligned stream int64 [17, T]."""
@@ -227,8 +249,8 @@ def build_dataset(out_dir: Path, households: Sequence[Household], dialogs: Seque
         _write_stream(out_dir, sid, stream.tokens)
         samples += mine
         if stream.noised is not None:
-            _write_stream(out_dir, f"{sid}-noised", stream.noised)
-            samples += for_stream(mine, f"{sid}-noised", noised=True)
+            _write_stream(out_dir, f"{sid}{NOISED_SUFFIX}", stream.noised)
+            samples += for_stream(mine, f"{sid}{NOISED_SUFFIX}", noised=True)
         layouts.append(stream.layout)
         frames += stream.layout.n_steps
         dropped += stream.layout.dropped_turns

@@ -42,6 +42,9 @@ def add_eval_args(p: Any) -> None:
     a("--temperature", type=float, metavar="T",
       help="decoding: 0 greedy, > 0 samples text and audio at T with dialog.top_k_text / top_k_audio, seeded by "
            "--seed (default: dialog.temperature, 0)")
+    a("--new-person", choices=["swap", "restart"],
+      help="a new person's L1: swapped into the running conversation, or the stream restarted with it (default: "
+           "dialog.new_person; 'restart' for a model fine-tuned with --context dialog)")
     a("--seed", type=int, default=0, help="held-out generation and the sampling draws")
     a("--out", type=Path, default=Path("runs/eval_dialog.json"), help="JSON report; the PNG goes beside it")
 
@@ -83,12 +86,12 @@ def _eval_set(args: Any, cfg: Any, tokenizer: TextTokenizer, noised: bool) -> tu
 
     limit = args.limit_streams or None
     if args.data is not None:
-        from .dataset import Dataset
+        from .dataset import NOISED_SUFFIX, Dataset
 
         ds = Dataset(args.data)
         have = {p.stem for p in (args.data / "streams").glob("*.npy")}
-        streams = [Stream(lay, ds.tokens(lay.stream), ds.tokens(f"{lay.stream}-noised")
-                          if f"{lay.stream}-noised" in have else None)
+        streams = [Stream(lay, ds.tokens(lay.stream), ds.tokens(lay.stream + NOISED_SUFFIX)
+                          if lay.stream + NOISED_SUFFIX in have else None)
                    for lay in ds.layouts if lay.meta.get("split") == "heldout"][:limit]
         if not streams:
             raise EvalError(f"{args.data} holds no held-out stream: build it with a held-out split")
@@ -169,6 +172,7 @@ def run_eval(args: Any) -> int:
         if args.temperature is not None and not args.temperature >= 0:
             raise EvalError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
         temperature = cfg.dialog.temperature if args.temperature is None else args.temperature
+        new_person = args.new_person or cfg.dialog.new_person
         engine_cfg = replace(cfg.dialog, max_streams=args.batch, temperature=temperature)
         engines: dict[str, DialogEngine] = {}
         engines[str(models[0][1])], tokenizer = build_engine(replace(engine_cfg, weights=models[0][1]))
@@ -195,7 +199,7 @@ def run_eval(args: Any) -> int:
             for c in conditions:
                 entry[c] = evaluate(engines[key], tokenizer, dialogs, streams, memory, judge, c == "noised", use_memory,
                                     reply_frames=args.reply_frames, max_query_chars=cfg.retrieval.max_query_chars,
-                                    seed=args.seed)
+                                    seed=args.seed, new_person=new_person)
             if use_memory and args.fps_ticks > 0:  # throughput of these weights (the empty-MemChunk peer: the same)
                 fps = entry["fps"] = {"engine": engine_fps(engines[key], l1_ids, l2_ids, ticks=args.fps_ticks)}
                 if args.served_fps:
@@ -218,6 +222,7 @@ def run_eval(args: Any) -> int:
             memory.close()
     report = {"judge": judge.name, "households": len(households), "dialogs": len(dialogs), "streams": len(streams),
               "conditions": conditions, "seed": args.seed, "temperature": temperature, "reply_frames": args.reply_frames,
+              "new_person": new_person,
               "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

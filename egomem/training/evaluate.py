@@ -111,12 +111,14 @@ def _condition_frames(stream: Stream, noised: bool) -> np.ndarray:
 def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dialogs: Sequence[Dialog],
              streams: Sequence[Stream], memory: MemorySource, judge: Judge, noised: bool = False,
              use_memory: bool = True, batch: int = 8, reply_frames: int = 250, l1_steps: int = 512,
-             l2_steps: int = 256, max_query_chars: int = 2000, seed: int = 0) -> dict[str, Any]:
+             l2_steps: int = 256, max_query_chars: int = 2000, seed: int = 0,
+             new_person: str = "swap") -> dict[str, Any]:
     """Run held-out `streams` (their dialogs: `dialogs[DialogLayout.index]`) through the engine and judge
     each Level-1 and Level-2 turn (module docstring). `use_memory=False` is the empty-MemChunk peer. An engine
     is used as it is (its free slots step together); for an LMModel one is built (`batch`, `l1_steps`, `l2_steps`).
     A sampling engine (temperature > 0) draws from torch's generator, seeded here with `seed` (in a fork of its
-    state): a run repeats.
+    state): a run repeats. `new_person` as `[dialog] new_person`: "restart" opens the stream afresh (START) with
+    the L1 of each dialog whose person differs from the previous dialog's, as the orchestrator then does.
     Returns the condition's report: Fact Scores, query-word scores, Answer Quality and per-turn records."""
     engine = _engine(lm_or_engine, batch, l1_steps, l2_steps)
     pool = DialogStreamPool(engine, tokenizer, ttl_s=float("inf"))
@@ -135,7 +137,8 @@ def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dia
         torch.manual_seed(seed)
         try:
             for g in range(0, len(runs), width):
-                _drive(pool, runs[g:g + width], memory, tokenizer, use_memory, n1, n2, max_query_chars, stats)
+                _drive(pool, runs[g:g + width], memory, tokenizer, use_memory, n1, n2, max_query_chars, stats,
+                       new_person == "restart")
         finally:  # a failed run leaves no slot taken (END frees them when all goes well)
             for r in runs:
                 pool.close(r.sid)
@@ -145,14 +148,17 @@ def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dia
         records += _judge_stream(run, dialogs, memory, judge, tokenizer, reply_frames)
     report = _aggregate(records)
     report.update(noised=noised, memory=use_memory, judge=judge.name, temperature=engine.temperature, seed=seed,
+                  new_person=new_person,
                   streams=len(runs), frames=stats["frames"],
                   loop_frames_per_s=stats["frames"] / seconds if seconds else None, writes=stats, turns=records)
     return report
 
 
 def _drive(pool: DialogStreamPool, runs: list[_Run], memory: MemorySource, tokenizer: TextTokenizer,
-           use_memory: bool, n1: int, n2: int, max_query_chars: int, stats: dict[str, int]) -> None:
-    """Tick a group of streams (one pool step per frame) to their ends, as `dialog_lm` serves them."""
+           use_memory: bool, n1: int, n2: int, max_query_chars: int, stats: dict[str, int], restart: bool) -> None:
+    """Tick a group of streams (one pool step per frame) to their ends, as `dialog_lm` serves them; `restart`:
+    a new person's L1 restarts the stream (the old stream's last `max_delay` aligned frames are never emitted:
+    the restarted one's warm-up, -2, takes their place, as when served)."""
     delay = pool.engine.max_delay
     for t in range(max(r.n for r in runs)):
         live = [r for r in runs if t < r.n]
@@ -160,6 +166,7 @@ def _drive(pool: DialogStreamPool, runs: list[_Run], memory: MemorySource, token
         for r in live:
             req = DialogRequest(r.sid, start=t == 0, end=t == r.n - 1, listen=r.listen[:, t])
             if t in r.l1_at:
+                req.start = req.start or (restart and r.l1_at[t] != r.user)  # serving restarts for a new person
                 r.user, r.pending_l2 = r.l1_at[t], None  # a new L1 clears L2 (and any refill on its way)
                 if use_memory:
                     ids, cut = fit_tokens(tokenizer, memory.l1(r.user), n1)

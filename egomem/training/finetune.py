@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from moshi.utils.compile import no_compile
 from egomem.dialog.checkpoint import DTYPES, CheckpointError, build_lm
 from egomem.dialog.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 
-from .batch import SampleError, SampleOrder, make_batch, validate_samples
+from .batch import SampleError, SampleOrder, from_dialog_start, make_batch, validate_samples
 from .drills import DrillMix, check_tokenizer
 from .forward import forward, masked_loss
 from .lora import LoraScope, apply_lora, merged_state_dict
@@ -79,6 +79,10 @@ class TrainConfig:
     lora_scope: LoraScope = "transformers"
     gradient_checkpointing: bool = False  # moshi's per-layer activation checkpointing (7B memory)
     dialog_steps: int | None = None  # longest dialog per row; None = context - n1 - n2 (the engine's ring)
+    # What a row's dialog context holds: "stream" = the stream before its dialog too, as far as dialog_steps
+    # reaches (the paper: a new person's L1 is swapped in mid-conversation); "dialog" = its person's
+    # conversation only (serve with `[dialog] new_person = "restart"`: docs/training.md#a-new-person).
+    context: Literal["stream", "dialog"] = "stream"
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     seed: int = 0  # random init, LoRA init, sample order
@@ -102,6 +106,8 @@ class DataSource(Protocol):
     samples: list[Sample]
 
     def tokens(self, stream_id: str) -> np.ndarray: ...  # [17, T] aligned stream
+
+    def conversation_starts(self, stream_id: str) -> list[int]: ...  # per dialog (context="dialog" only)
 
 
 @dataclass
@@ -269,6 +275,8 @@ class _Trainer:
             raise ValueError(f"the model's context ({lm.context}) minus the MemChunks ({self.n1} + {self.n2}) leaves "
                              f"{ring} dialog steps; dialog_steps={cfg.dialog_steps} does not fit")
         validate_samples(data.samples, self.tokenizer, self.n1, self.n2)
+        if cfg.context == "dialog" and not callable(getattr(data, "conversation_starts", None)):
+            raise ValueError("context='dialog' needs the dataset's stream layouts (a dataset folder: layouts.jsonl)")
         self.drills = drill_mix(cfg)
         if self.drills.active:
             check_tokenizer(self.tokenizer)
@@ -337,6 +345,9 @@ class _Trainer:
         """The masked loss of `samples`; `training`: with the row transforms (drills) and the turn-head weight
         (an evaluation scores the plain loss, comparable between runs)."""
         items = [(s, source.tokens(s.stream)) for s in samples]
+        if self.cfg.context == "dialog":  # the row starts where its person's conversation did (serving restarts
+            # the stream for each new person: streams.conversation_starts)
+            items = [from_dialog_start(s, t, source.conversation_starts(s.stream)[s.dialog]) for s, t in items]
         if training and self.drills.active:
             # one generator per (seed, step, row): a resumed run draws what an uninterrupted one would
             items = [self.drills.apply(s, t, random.Random(f"{self.cfg.seed}/{self.step}/{i}"), self.window,
@@ -517,6 +528,9 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-scope", choices=["transformers", "all"], default=d.lora_scope)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--dialog-steps", type=int, help="longest dialog per sample (default: context - n1 - n2)")
+    p.add_argument("--context", choices=["stream", "dialog"], default=d.context,
+                   help="a row's dialog context: the stream before its dialog too ('stream', the paper's) or its own "
+                        "dialog only ('dialog': serve such a model with [dialog] new_person = 'restart')")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPES])
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--eval-data", type=Path, help="held-out dataset folder (default: a subset of the training samples)")

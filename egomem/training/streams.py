@@ -121,6 +121,22 @@ class StreamLayout:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+def conversation_starts(layout: StreamLayout) -> list[int]:
+    """Per dialog, the frame where its conversation began when serving restarts the stream for each new person
+    (`[dialog] new_person = "restart"`, finetune's `context = "dialog"`): 0 for the stream's first person, else
+    the first frame of the first of the consecutive dialogs with this dialog's person (the same person seen
+    again is no new person: no L1 refresh, no restart)."""
+    out: list[int] = []
+    for n, d in enumerate(layout.dialogs):
+        if n == 0:
+            out.append(0)
+        elif d.user_id == layout.dialogs[n - 1].user_id:
+            out.append(out[-1])
+        else:
+            out.append(d.start)
+    return out
+
+
 def layout_from_json(d: dict[str, Any]) -> StreamLayout:
     return StreamLayout(d["stream"], d["n_steps"], tuple(
         DialogLayout(g["index"], g["user_id"], g["voice"], g["start"], g["end"],
