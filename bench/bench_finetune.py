@@ -31,6 +31,9 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
         --out bench/results/bench_finetune_hear.json              # the README model card: a backbone that hears
     ... --listen-backbone 800 --listen-head-weight 1 --work runs/ft \
         --out bench/results/bench_finetune_listen.json            # its listening stage without reply heads
+    ... the same as _hear ... --context dialog --work runs/s36 \
+        --out bench/results/bench_finetune_restart.json           # rows from each person's conversation start,
+                                                                  # evaluated with --new-person restart (now the card)
 
 --copy-backbone N first trains the tiny preset for N steps on synthetic reading drills only
 (`egomem train-backbone`: letter words, random speech codes, never a dialog or a name of the corpus;
