@@ -33,7 +33,10 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
         --out bench/results/bench_finetune_listen.json            # its listening stage without reply heads
     ... the same as _hear ... --context dialog --work runs/s36 \
         --out bench/results/bench_finetune_restart.json           # rows from each person's conversation start,
-                                                                  # evaluated with --new-person restart (now the card)
+                                                                  # evaluated with --new-person restart
+    ... the same as _restart, on template:v2 (the main user's return visit) ... --work runs/s37 \
+        --out bench/results/bench_finetune_return.json            # now the card; --return-visit P sets the
+                                                                  # training corpus's rate (default 0.75)
 
 --copy-backbone N first trains the tiny preset for N steps on synthetic reading drills only
 (`egomem train-backbone`: letter words, random speech codes, never a dialog or a name of the corpus;
@@ -91,6 +94,8 @@ def main() -> int:
                    "Level-2 query and response samples)")
     p.add_argument("--own-questions", default="1,2", help="egomem make-corpus --own-questions for the training "
                    "corpus (min,max Level-1 questions in the main user's dialog); the held-out corpus keeps 1,2")
+    p.add_argument("--return-visit", type=float, default=0.75, help="egomem make-corpus --return-visit for the "
+                   "training corpus (the held-out set keeps the generator's default)")
     p.add_argument("--heldout-households", type=int, default=16)
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--batch-size", type=int, default=4)
@@ -140,7 +145,8 @@ def main() -> int:
         times["make_corpus_train_s"] = egomem("make-corpus", "--out", str(train), "--households",
                                               str(args.train_households), "--split", "train", "--seed",
                                               str(args.seed), "--levels", args.train_levels, "--generator", "template",
-                                              "--own-questions", args.own_questions)
+                                              "--own-questions", args.own_questions, "--return-visit",
+                                              str(args.return_visit))
     if not (heldout / "manifest.json").exists():
         times["make_corpus_heldout_s"] = egomem("make-corpus", "--out", str(heldout), "--households",
                                                 str(args.heldout_households), "--split", "heldout", "--seed",
@@ -194,6 +200,7 @@ def summary(report: dict) -> dict:
     """Model -> condition -> the Level-1 (greetings, answers) and Level-2 figures of an eval-dialog report."""
     return {m["name"]: {c: {"l1_fact_score": m[c]["l1"]["fact_score"], "n": m[c]["l1"]["n"],
                             "greetings": m[c]["l1"]["greetings"], "answers": m[c]["l1"]["answers"],
+                            "by_person": m[c]["l1"].get("by_person"),
                             "l2_fact_score": m[c]["l2"]["fact_score"], "l2_n": m[c]["l2"]["n"],
                             "l2_query": m[c]["l2"]["query"]}
                         for c in report["conditions"]} for m in report["models"]}

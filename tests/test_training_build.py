@@ -7,6 +7,7 @@ import json
 import pytest
 
 from egomem.cli import main
+from egomem.training.corpus import GENERATOR, RETURN_VISIT
 from egomem.training.dataset import Dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -19,11 +20,11 @@ def test_make_corpus_writes_a_heldout_level1_dataset(tmp_path, monkeypatch, caps
                  "--no-noised", "--seed", "3", "--own-questions", "2,2"]) == 0
     ds = Dataset(out)
     assert ds.manifest["n1"] == 512 and ds.manifest["n2"] == 256 and ds.manifest["tokenizer"] == "byte"
-    assert ds.manifest["corpus_options"] == {"own_questions": [2, 2]}
+    assert ds.manifest["corpus_options"] == {"own_questions": [2, 2], "return_visit": RETURN_VISIT}
     main_dialog = next(d for d in ds.dialogs if d.user_id == ds.households[0].main.user_id and d.level == 1)
     assert sum(t.user != "" and t.level == 1 for t in main_dialog.turns) == 2
     assert ds.samples and {s.kind for s in ds.samples} == {"l1_response"}
-    assert {s.generator for s in ds.samples} == {"template:v1"} and "template:v1" in capsys.readouterr().out
+    assert {s.generator for s in ds.samples} == {GENERATOR} and GENERATOR in capsys.readouterr().out
     assert all(s.meta["split"] == "heldout" and not s.meta["noised"] for s in ds.samples)
     people = {p.user_id: p for h in ds.households for p in (h.main, *h.related)}
     for s in ds.samples:  # each sample's L1 is its own dialog's user's profile, and the stream holds the frames
@@ -46,6 +47,8 @@ def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypa
         main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "3"])
     with pytest.raises(SystemExit, match="--own-questions needs 0 <= min <= max"):
         main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "2,1"])
+    with pytest.raises(SystemExit, match="--return-visit is a probability"):
+        main(["make-corpus", "--out", str(tmp_path / "c"), "--return-visit", "1.5"])
     with pytest.raises(SystemExit, match="--dialogs-per-stream takes min,max"):
         main(["make-corpus", "--out", str(tmp_path / "c"), "--dialogs-per-stream", "two"])
     assert not any((tmp_path / x).exists() for x in "abc")

@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from egomem.training.corpus import (
     GENERATOR,
     MAX_GREETING_CHARS,
     MAX_REPLY_CHARS,
+    RETURN_VISIT,
     first_name,
     greeting,
     make_corpus,
@@ -30,6 +32,7 @@ from egomem.training.corpus import (
 )
 from egomem.training.corpus_llm import DialogRejected, configured_client, llm_dialogs, make_llm_corpus
 from egomem.training.memory_text import MemoryTexts
+from egomem.training.streams import group_dialogs
 from egomem.training.types import (
     Edge,
     Household,
@@ -140,8 +143,10 @@ def test_own_questions_sets_the_main_users_level1_answers(train):
     households, dialogs = train
 
     def main_level1(ds, hs):  # the first dialog of each household: the main user's Level-1 dialog
-        mains = {h.main.user_id for h in hs}
-        return [d for d in ds if d.level == 1 and d.user_id in mains and d.turns[0].user == ""][:len(hs)]
+        first = {}
+        for d in ds:
+            first.setdefault(d.household, d)
+        return [first[h.main.user_id] for h in hs]
 
     default = [len(d.turns) - 1 for d in main_level1(dialogs, households)]  # minus the greeting
     assert set(default) <= {1, 2, 3} and {1, 2} <= set(default)  # 1-2 questions (+1 when mixed with an instruction)
@@ -152,6 +157,21 @@ def test_own_questions_sets_the_main_users_level1_answers(train):
     assert all(len({t.user for t in d.turns}) == len(d.turns) for d in dense)  # three different questions
     with pytest.raises(ValueError, match="own_questions"):
         make_corpus(2, "train", 7, own_questions=(2, 1))
+
+
+def test_return_visits_put_the_same_person_twice_in_a_row_in_some_streams(train):
+    households, dialogs = train
+    level1 = [d for d in dialogs if d.level == 1]
+    visits = Counter(d.user_id for d in level1 if d.user_id == d.household)
+    returned = sum(n == 2 for n in visits.values()) / len(households)
+    assert set(visits.values()) <= {1, 2} and abs(returned - RETURN_VISIT) < 0.1
+    for d in level1:  # a return visit opens with a greeting like the first, then asks 0-1 own questions
+        assert d.turns[0].user == "" and d.turns[0].names
+    again = [g for g in group_dialogs(level1, 0) if any(level1[a].user_id == level1[b].user_id
+                                                         for a, b in zip(g, g[1:]))]
+    assert len(again) > len(households) // 10  # the Level-1-only training streams hold the case too
+    _, before = make_corpus(300, "train", 7, return_visit=0.0)  # drawn last: every other dialog as it was
+    assert len(dialogs) - len(before) == sum(n == 2 for n in visits.values()) and all(d in dialogs for d in before)
 
 
 def test_level2_turns_query_edges_of_their_household(train):

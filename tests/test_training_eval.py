@@ -357,10 +357,16 @@ def test_evaluate_new_person_restart_opens_the_stream_afresh(memory):
     # the scripted model speaks from the listen codes: the same replies either way, judged alike
     assert [t["reply"] for t in restart["turns"]] == [t["reply"] for t in swap["turns"]]
     assert restart["l1"] == swap["l1"] and restart["l1"]["greetings"] == {"fact_score": 1.0, "n": 3}
+    assert [t["person"] for t in restart["turns"]] == ["first"] * 2 + ["new"] * 4
+    by = restart["l1"]["by_person"]
+    assert by["first"]["greetings"] == {"fact_score": 1.0, "n": 1} and by["new"]["greetings"]["n"] == 2
+    assert by["same"]["greetings"] == {"fact_score": None, "n": 0}
     same = [[(0, 2, [(2, 2, "Hi Ada!"), (10, 14, "You live in Oslo.")]), (1, 42, [(42, 46, "ok")])]]
     engine = CountingEngine(scripted_lm(), max_streams=1, l1_steps=512, l2_steps=256, ring_steps=32)
-    evaluate(engine, TOK, DIALOGS, make_streams(np.random.default_rng(0), same), memory, judge, new_person="restart")
+    r = evaluate(engine, TOK, DIALOGS, make_streams(np.random.default_rng(0), same), memory, judge,
+                 new_person="restart")
     assert [w[3] for w in engine.writes if w[1] == 1] == [0, 42]  # ada twice: no restart
+    assert [t["person"] for t in r["turns"]] == ["first", "first", "same"]
 
 
 def test_evaluate_tiny_random_model_and_empty_memchunk_peer(memory):

@@ -17,7 +17,7 @@ from egomem.config import load_config
 from egomem.dialog.tokenizer import load_tokenizer
 from egomem.trigger.codec import build_codec
 
-from .corpus import GENERATOR, OWN_QUESTIONS, make_corpus
+from .corpus import GENERATOR, OWN_QUESTIONS, RETURN_VISIT, make_corpus
 from .corpus_llm import configured_client, make_llm_corpus
 from .dataset import build_dataset
 from .memory_text import MemoryTexts
@@ -36,6 +36,9 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--own-questions", default=",".join(map(str, OWN_QUESTIONS)),
                    help="min,max questions about their own profile in the main user's Level-1 dialog (template "
                         "generator; more gives a model more answers to learn from per stream)")
+    p.add_argument("--return-visit", type=float, default=RETURN_VISIT, metavar="P",
+                   help="chance of the main user's return visit, a second Level-1 dialog (template generator; "
+                        "docs/training.md#corpus-41)")
     p.add_argument("--no-noised", action="store_true", help="skip the noised copy of each stream")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the codec (1 is fastest on small CPUs)")
 
@@ -53,11 +56,13 @@ def run_build(args: argparse.Namespace) -> int:
     client = None if args.generator == "template" else configured_client(cfg)
     if args.generator == "llm" and client is None:
         raise SystemExit("--generator llm needs an [llm] endpoint with an API key (see README 'Configuration')")
-    if client is not None and own != OWN_QUESTIONS:
-        raise SystemExit("--own-questions shapes the template generator's dialogs; with an LLM endpoint configured "
-                         "add --generator template, or drop --own-questions")
+    if not 0.0 <= args.return_visit <= 1.0:
+        raise SystemExit(f"--return-visit is a probability in [0, 1], got {args.return_visit}")
+    if client is not None and (own != OWN_QUESTIONS or args.return_visit != RETURN_VISIT):
+        raise SystemExit("--own-questions and --return-visit shape the template generator's dialogs; with an LLM "
+                         "endpoint configured add --generator template, or drop them")
     if client is None:
-        households, dialogs = make_corpus(args.households, args.split, args.seed, own)
+        households, dialogs = make_corpus(args.households, args.split, args.seed, own, args.return_visit)
         print(f"{len(dialogs)} dialogs from {GENERATOR}")
     else:
         households, dialogs, rejected = make_llm_corpus(args.households, args.split, args.seed, client)
@@ -71,7 +76,8 @@ def run_build(args: argparse.Namespace) -> int:
                            n1=cfg.dialog.l1_steps, n2=cfg.dialog.l2_steps, noised=not args.no_noised,
                            tokenizer=load_tokenizer(cfg.dialog.tokenizer),
                            tokenizer_name=str(cfg.dialog.tokenizer or "byte"),
-                           corpus_options={"own_questions": list(own)} if client is None else None)
+                           corpus_options={"own_questions": list(own), "return_visit": args.return_visit}
+                           if client is None else None)
     print(f"wrote {args.out}: {ds.manifest.get('counts')}")
     return 0
 

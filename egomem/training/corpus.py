@@ -11,6 +11,9 @@
   (relation words, keywords; either group may be empty) and the reply the retrieved facts support
   ("What does my sister like to eat?" -> `Query(("sister",), ("eat", "food"))`, "Your sister Bea loves ramen.").
 - Level 0: general instructions that need no memory ("What is two plus three?" -> "Five.").
+- A return visit: the main user comes back for another Level-1 dialog (a greeting, 0-1 questions),
+  so that a stream can hold the same person twice in a row, as the Level-2 dialogs make it do, and
+  the model learns to greet a person again who comes back without anyone else in between.
 
 Replies stay short (the byte-level tiny model speaks ~1 byte per 80 ms step): at most
 `MAX_REPLY_CHARS`, greetings at most `MAX_GREETING_CHARS`. Every dialog records `GENERATOR`.
@@ -25,10 +28,11 @@ import random
 from egomem.training.types import Dialog, Edge, Household, Profile, Query, Split, Turn
 from egomem.training.vocab import FACT_KINDS, Pools, article, fact_kind, general_pairs, parse_fact, pools, words
 
-GENERATOR = "template:v1"
+GENERATOR = "template:v2"  # v2: the return visit (drawn last: v1's dialogs stay as they were)
 MAX_REPLY_CHARS = 60  # ~5 s of text steps at one byte per 80 ms step
 MAX_GREETING_CHARS = 40
 OWN_QUESTIONS = (1, 2)  # questions about their own profile in the main user's Level-1 dialog (min, max)
+RETURN_VISIT = 0.75  # chance of the main user's return visit (module docstring)
 SUMMARY = "Talked about {}."  # how a summary line reads in the profile
 _KIN_WORDS = frozenset(("sister brother mother father son daughter cousin aunt uncle grandmother grandfather niece "
                         "nephew twin mum dad grandma grandpa stepbrother stepsister").split())
@@ -241,11 +245,11 @@ def _general(rng: random.Random) -> Turn:
     return Turn(q, a, 0)
 
 
-def make_dialogs(household: Household, rng: random.Random, own_questions: tuple[int, int] = OWN_QUESTIONS
-                 ) -> list[Dialog]:
+def make_dialogs(household: Household, rng: random.Random, own_questions: tuple[int, int] = OWN_QUESTIONS,
+                 return_visit: float = RETURN_VISIT) -> list[Dialog]:
     """The dialogs of one household: Level 1 with the main user (a greeting, then `own_questions` (min, max)
     questions about their profile; some related people too), Level 2 about the main user's relation graph,
-    Level 0 general instructions."""
+    Level 0 general instructions, and maybe the main user's return visit (Level 1)."""
     h, out = household, []
 
     def dialog(user: Profile, turns: list[Turn]) -> None:
@@ -266,15 +270,19 @@ def make_dialogs(household: Household, rng: random.Random, own_questions: tuple[
             dialog(h.main, ([greeting(h.main, rng)] if rng.random() < 0.5 else []) + turns)
     if rng.random() < 0.6:
         dialog(h.main, [_general(rng) for _ in range(rng.randint(1, 2))])
+    if rng.random() < return_visit:  # drawn last, so the dialogs above are those template:v1 wrote
+        dialog(h.main, [greeting(h.main, rng), *pick(own_turns(h, h.main), rng.randint(0, 1))])
     return out
 
 
-def make_corpus(n: int, split: Split, seed: int, own_questions: tuple[int, int] = OWN_QUESTIONS
-                ) -> tuple[list[Household], list[Dialog]]:
-    """`n` households of `split` and all their dialogs (each household's dialogs from its own RNG)."""
+def make_corpus(n: int, split: Split, seed: int, own_questions: tuple[int, int] = OWN_QUESTIONS,
+                return_visit: float = RETURN_VISIT) -> tuple[list[Household], list[Dialog]]:
+    """`n` households of `split` and all their dialogs (each household's dialogs from its own RNG;
+    `return_visit` 0: the dialogs template:v1 wrote)."""
     if not 0 <= own_questions[0] <= own_questions[1]:
         raise ValueError(f"own_questions must be 0 <= min <= max, got {own_questions}")
     households = make_households(n, split, seed)
     dialogs = [d for i, h in enumerate(households)
-               for d in make_dialogs(h, random.Random(f"egomem-dialogs/{split}/{seed}/{i}"), own_questions)]
+               for d in make_dialogs(h, random.Random(f"egomem-dialogs/{split}/{seed}/{i}"), own_questions,
+                                     return_visit)]
     return households, dialogs

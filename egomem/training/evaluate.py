@@ -13,7 +13,8 @@ A turn's reply is the model's decoded text from the end of the user's audio (for
 its dialog's L1 refresh is written, since the model may open as soon as it knows who is there) until the
 next user turn starts, at most `reply_frames` frames, with any `<retr>...<answer>`
 cut out; the judge (judge.py) scores it. Level-2 turns also score the first query the model wrote
-between the start of the user's audio and the end of that window.
+between the start of the user's audio and the end of that window. Level-1 figures come also `by_person`:
+the stream's first person, a new person later (an L1 refresh), the same person's next dialog (none).
 
 The command around it (held-out people -> dialogs -> streams, models x conditions, throughput, the
 JSON report and PNG) is egomem/training/eval_dialog.py.
@@ -209,6 +210,8 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
             raise EvalError(f"stream {layout.stream}: dialog {d.index} is {dialog.user_id!r}'s, the layout says "
                             f"{d.user_id!r}: pass the dialog list the streams were built from")
         profile = memory.l1(dialog.user_id)
+        # whose dialog: the stream's first person, a new one (a refresh: restarted when served so), or the same again
+        person = "first" if n == 0 else "same" if d.user_id == layout.dialogs[n - 1].user_id else "new"
         for u in d.turns:
             k += 1
             turn = dialog.turns[u.turn]
@@ -220,8 +223,8 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
             reply = strip_queries(decode(tokenizer, run.texts[a:b]))
             retrieved = memory.l2(dialog.user_id, turn.query) if turn.query is not None else ""
             v = judge.judge(TurnCase(dialog, turn, reply, profile, retrieved))
-            rec: dict[str, Any] = {"stream": layout.stream, "dialog": d.index, "turn": u.turn, "level": turn.level,
-                                   "greeting": not turn.user.strip(), "frames": [a, b], "reply": reply, "fact_score": v.fact_score,
+            rec: dict[str, Any] = {"stream": layout.stream, "dialog": d.index, "person": person, "turn": u.turn,
+                                   "level": turn.level, "greeting": not turn.user.strip(), "frames": [a, b], "reply": reply, "fact_score": v.fact_score,
                                    "answer_quality": v.answer_quality, "reason": v.reason,
                                    "expected": {"names": list(turn.names), "facts": list(turn.facts)}}
             if turn.level == 2 and turn.query is not None:
@@ -245,10 +248,15 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
         rs = [r for r in records if r["level"] == level]
         scored = [r["fact_score"] for r in rs if r["fact_score"] is not None]
         out[f"l{level}"] = {"fact_score": _mean(scored), "n": len(scored), "unjudged": len(rs) - len(scored)}
-    for part, greeting in (("greetings", True), ("answers", False)):  # L1: the model's opening vs its answers
-        scored = [r["fact_score"] for r in records if r["level"] == 1 and r["greeting"] == greeting
-                  and r["fact_score"] is not None]
-        out["l1"][part] = {"fact_score": _mean(scored), "n": len(scored)}
+    def l1(**match: Any) -> dict[str, Any]:
+        scored = [r["fact_score"] for r in records if r["level"] == 1 and r["fact_score"] is not None
+                  and all(r[k] == v for k, v in match.items())]
+        return {"fact_score": _mean(scored), "n": len(scored)}
+
+    parts = (("greetings", True), ("answers", False))  # L1: the model's opening vs its answers
+    out["l1"].update({part: l1(greeting=g) for part, g in parts})
+    out["l1"]["by_person"] = {who: {part: l1(person=who, greeting=g) for part, g in parts}
+                              for who in ("first", "new", "same")}
     qs = [r["query_scores"] for r in records if "query_scores" in r]
     out["l2"]["query"] = {"precision": _mean([q["precision"] for q in qs]), "recall": _mean([q["recall"] for q in qs]),
                           "exact": _mean([float(q["exact"]) for q in qs]), "found": _mean([float(q["found"]) for q in qs]),

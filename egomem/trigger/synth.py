@@ -320,7 +320,8 @@ def monologue_lines(split: str, seed: int = 0) -> list[tuple[np.ndarray | None, 
     from egomem.training.corpus import make_corpus
 
     tok = ByteTokenizer()
-    _, dialogs = make_corpus(300, "train" if split == "train" else "heldout", seed)
+    # return_visit=0: the lines the shipped trigger was trained on (a return visit only repeats greetings)
+    _, dialogs = make_corpus(300, "train" if split == "train" else "heldout", seed, return_visit=0.0)
     lines = []
     for d in dialogs:
         for t in d.turns:
