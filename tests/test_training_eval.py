@@ -302,13 +302,24 @@ def scripted_lm():
     return lm
 
 
+def assert_by_person_adds_up(r, by_person):
+    """The first / new / same split of each Level-1 part holds every judged turn of it, with its fact scores."""
+    for part in ("greetings", "answers"):
+        split = [by_person[who][part] for who in ("first", "new", "same")]
+        assert sum(x["n"] for x in split) == r["l1"][part]["n"]
+        ones = sum(x["fact_score"] * x["n"] for x in split if x["n"])
+        assert ones == pytest.approx(r["l1"][part]["fact_score"] * r["l1"][part]["n"])
+
+
 def test_evaluate_scripted_model_every_figure_known(memory):
     streams = make_streams(np.random.default_rng(0))
     engine = CountingEngine(scripted_lm(), max_streams=2, l1_steps=512, l2_steps=256, ring_steps=32)
     judge = RuleJudge([HOME], DIALOGS, fact_vocabulary())
     r = evaluate(engine, TOK, DIALOGS, streams, memory, judge)
+    by_person = r["l1"].pop("by_person")
     assert r["l1"] == {"fact_score": 1.0, "n": 3, "unjudged": 1, "greetings": {"fact_score": 1.0, "n": 2},
                        "answers": {"fact_score": 1.0, "n": 1}}
+    assert_by_person_adds_up(r, by_person)
     assert r["l2"]["fact_score"] == 1.0 and r["l2"]["n"] == 1
     assert r["l2"]["query"] == {"precision": 1.0, "recall": 0.5, "exact": 0.0, "found": 1.0, "n": 1}
     assert r["answer_quality"] == "not measured"
@@ -421,8 +432,10 @@ def test_evaluate_with_llm_judge_reports_answer_quality(memory, server, monkeypa
     engine = DialogEngine(scripted_lm(), max_streams=2, l1_steps=512, l2_steps=256, ring_steps=32)
     r = evaluate(engine, TOK, DIALOGS, make_streams(np.random.default_rng(0)), memory, judge)
     assert r["judge"] == "llm:fake-model" and len(server.requests) == 5
+    by_person = r["l1"].pop("by_person")
     assert r["l1"] == {"fact_score": 0.75, "n": 4, "unjudged": 0,  # the LLM grades "Fine." too (expects nothing)
                        "greetings": {"fact_score": 1.0, "n": 2}, "answers": {"fact_score": 0.5, "n": 2}}
+    assert_by_person_adds_up(r, by_person)
     assert r["answer_quality"] == {"mean": (5 * 4 + 2) / 5, "n": 5}
 
 
