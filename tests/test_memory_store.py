@@ -129,6 +129,38 @@ def test_forget_leaves_no_trace_in_any_table_index_or_file(backend):
     assert s.dead_letters() == [] and s.get_llm_response("h1") is None
 
 
+def test_postgres_forget_waits_for_a_reader_that_began_before_it(tmp_path, pg_server):
+    """VACUUM FULL copies a deleted row version a running transaction may still see: a reader whose snapshot
+    predates the forget would keep her id in the table files. The forget waits for it to end, then scrubs."""
+    import psycopg
+
+    from tests.memory_helpers import StoreBackend
+
+    backend = StoreBackend("postgres", tmp_path, pg_server, prefix="snap")
+    s = backend.open()
+    zid, _, vectors = _populate_zelda(s)
+    reader = psycopg.connect(backend.target())
+    reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    assert reader.execute("SELECT COUNT(*) FROM memory_items WHERE user_id = %s", (zid,)).fetchone()[0] > 0
+    ended = threading.Event()
+
+    def end_later() -> None:
+        ended.wait(0.5)
+        reader.commit()
+        ended.set()
+
+    t = threading.Thread(target=end_later)
+    t.start()
+    try:
+        receipt = s.forget_user(zid, Provenance("admin", "manual"), reason="user asked")
+    finally:
+        ended.set()
+        t.join()
+        reader.close()
+    assert receipt.leftovers == [] and receipt.wal_clean
+    assert zid.encode() not in backend.raw_bytes(s)
+
+
 def test_redaction_rule_whole_name_words_case_whitespace_json():
     pat = name_pattern(["Zoë  Quist"])
     assert redact("met zoë quist's dog; ZOË\nQUIST too", pat) == f"met {MARKER}'s dog; {MARKER} too"

@@ -4,7 +4,9 @@ Redaction and the name scan run the Python rule (memory/redact.py) on the cells 
 lets through (`ILIKE` on an ASCII word of each name, which JSON escaping never changes; a name with
 no ASCII word reads every cell). The scrub is VACUUM FULL of the store's tables: a DELETE or UPDATE
 leaves the old row version in the table file until vacuumed, and VACUUM FULL writes new files from
-the live rows (and rebuilds the indexes). The raw scan reads those files (tables, their TOAST
+the live rows (and rebuilds the indexes); it also copies a deleted row version that a transaction begun
+before the delete may still see, so it first waits (at most `OLDER_TRANSACTIONS_WAIT_S`) for those to end.
+The raw scan reads those files (tables, their TOAST
 tables and indexes) when this process can read the server's data directory (a local server run
 as the same OS user, as in the tests); otherwise it is skipped and says so in the log. Not reached
 by either: the server's write-ahead log and backups, which keep the rows until the server recycles
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -26,6 +29,8 @@ from egomem.memory.sql.forget import Forget, scan_files
 log = logging.getLogger(__name__)
 
 _ASCII_WORD = re.compile(r"[A-Za-z0-9]+")
+OLDER_TRANSACTIONS_WAIT_S = 10.0  # longest wait for transactions begun before the scrub (a worker's job is short)
+OLDER_TRANSACTIONS_POLL_S = 0.05
 # (table, column, type, is primary key) of every column of the store's own tables
 _COLUMNS = """
 SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod),
@@ -63,12 +68,31 @@ class PostgresForget(Forget):
         """VACUUM FULL of the store's tables; False when it could not run (the raw scan then says what is left)."""
         c = self._conn()
         tables = [t for t, *_ in self._columns(c)]
+        older = self._wait_for_older_transactions(c)
+        if older:
+            log.warning("forget: %d transactions begun before the forget were still open after %.0f s; a row "
+                        "version they can see stays in the table files until the next scrub", older,
+                        OLDER_TRANSACTIONS_WAIT_S)
         try:
             c.execute("VACUUM (FULL) " + ", ".join(sorted(set(tables))))
         except psycopg.Error as e:  # e.g. a lock not granted in time: the forget itself is committed
             log.error("forget: VACUUM FULL failed (%s); old row versions stay in the table files until the next one", e)
             return False
         return True
+
+    @staticmethod
+    def _wait_for_older_transactions(c: PgConn) -> int:
+        """Wait until no other session of this database is in a transaction begun before now (the forget
+        has committed, so only those can still see its deleted rows); how many were left when the wait
+        gave up (0: none)."""
+        since = c.execute("SELECT statement_timestamp()").fetchone()[0]
+        deadline = time.monotonic() + OLDER_TRANSACTIONS_WAIT_S
+        while True:
+            older = c.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() "
+                              "AND pid <> pg_backend_pid() AND xact_start < ?", (since,)).fetchone()[0]
+            if older == 0 or time.monotonic() >= deadline:
+                return older
+            time.sleep(OLDER_TRANSACTIONS_POLL_S)
 
     @staticmethod
     def _columns(c: PgConn) -> list[tuple[str, str, str, bool]]:
