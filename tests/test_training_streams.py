@@ -26,6 +26,7 @@ from egomem.training.streams import (
     StreamSpec,
     TurnLayout,
     conversation_starts,
+    dialog_persons,
     group_dialogs,
 )
 from egomem.training.tts import (
@@ -300,4 +301,5 @@ def test_conversation_starts_restart_for_each_new_person_only():
     users = [("ada", 2), ("ada", 20), ("bob", 40), ("cy", 60), ("cy", 80), ("ada", 100)]
     layout = StreamLayout("s0", 120, tuple(dialog(u, s) for u, s in users))
     assert conversation_starts(layout) == [0, 0, 40, 60, 60, 100]
-    assert conversation_starts(StreamLayout("s1", 5, ())) == []
+    assert dialog_persons(layout) == ["first", "same", "new", "new", "same", "new"]  # eval-dialog's by_person
+    assert conversation_starts(StreamLayout("s1", 5, ())) == [] == dialog_persons(StreamLayout("s1", 5, ()))

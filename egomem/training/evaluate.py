@@ -39,7 +39,7 @@ from egomem.dialog.tokenizer import TextTokenizer
 from egomem.retrieval.query import RetrievalQuery, parse_query
 
 from .judge import NOT_MEASURED, Judge, TurnCase, query_scores
-from .streams import Stream
+from .streams import Stream, dialog_persons
 from .types import Dialog, Query
 
 LISTEN = slice(9, 17)  # listen rows of the aligned 17-row stream
@@ -204,14 +204,13 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
     layout = run.stream.layout
     starts = [u.user_start for d in layout.dialogs for u in d.turns] + [layout.n_steps]
     out, k = [], 0
+    persons = dialog_persons(layout)  # first / new / same: the by_person split
     for n, d in enumerate(layout.dialogs):
         dialog = dialogs[d.index]
         if dialog.user_id != d.user_id:
             raise EvalError(f"stream {layout.stream}: dialog {d.index} is {dialog.user_id!r}'s, the layout says "
                             f"{d.user_id!r}: pass the dialog list the streams were built from")
         profile = memory.l1(dialog.user_id)
-        # whose dialog: the stream's first person, a new one (a refresh: restarted when served so), or the same again
-        person = "first" if n == 0 else "same" if d.user_id == layout.dialogs[n - 1].user_id else "new"
         for u in d.turns:
             k += 1
             turn = dialog.turns[u.turn]
@@ -223,7 +222,7 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
             reply = strip_queries(decode(tokenizer, run.texts[a:b]))
             retrieved = memory.l2(dialog.user_id, turn.query) if turn.query is not None else ""
             v = judge.judge(TurnCase(dialog, turn, reply, profile, retrieved))
-            rec: dict[str, Any] = {"stream": layout.stream, "dialog": d.index, "person": person, "turn": u.turn,
+            rec: dict[str, Any] = {"stream": layout.stream, "dialog": d.index, "person": persons[n], "turn": u.turn,
                                    "level": turn.level, "greeting": not turn.user.strip(), "frames": [a, b], "reply": reply, "fact_score": v.fact_score,
                                    "answer_quality": v.answer_quality, "reason": v.reason,
                                    "expected": {"names": list(turn.names), "facts": list(turn.facts)}}

@@ -121,19 +121,21 @@ class StreamLayout:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+def dialog_persons(layout: StreamLayout) -> list[str]:
+    """Per dialog, whose it is next to the dialog before: "first" (the stream's first person), "new" (another
+    person: an L1 refresh when served) or "same" (that person again: no refresh)."""
+    return ["first" if n == 0 else "same" if d.user_id == layout.dialogs[n - 1].user_id else "new"
+            for n, d in enumerate(layout.dialogs)]
+
+
 def conversation_starts(layout: StreamLayout) -> list[int]:
     """Per dialog, the frame where its conversation began when serving restarts the stream for each new person
     (`[dialog] new_person = "restart"`, finetune's `context = "dialog"`): 0 for the stream's first person, else
     the first frame of the first of the consecutive dialogs with this dialog's person (the same person seen
     again is no new person: no L1 refresh, no restart)."""
     out: list[int] = []
-    for n, d in enumerate(layout.dialogs):
-        if n == 0:
-            out.append(0)
-        elif d.user_id == layout.dialogs[n - 1].user_id:
-            out.append(out[-1])
-        else:
-            out.append(d.start)
+    for d, person in zip(layout.dialogs, dialog_persons(layout), strict=True):
+        out.append(0 if person == "first" else out[-1] if person == "same" else d.start)
     return out
 
 
