@@ -37,6 +37,10 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
     ... the same as _restart, on template:v2 (the main user's return visit) ... --work runs/s37 \
         --out bench/results/bench_finetune_return.json            # now the card; --return-visit P sets the
                                                                   # training corpus's rate (default 0.75)
+    ... the same as _return ... --draws 3 --start-temperature 1.0 \
+        --out bench/results/bench_finetune_starts.json            # its stages reused: the evals again, the
+                                                                  # sampled ones drawn 3 times, and turn starts
+                                                                  # drawn at T = 1 (docs/training.md#when-to-speak)
 
 --copy-backbone N first trains the tiny preset for N steps on synthetic reading drills only
 (`egomem train-backbone`: letter words, random speech codes, never a dialog or a name of the corpus;
@@ -122,6 +126,10 @@ def main() -> int:
     p.add_argument("--served-fps", action="store_true", help="also time dialog_lm on a real tritonserver")
     p.add_argument("--temperature", type=float, default=0.5, help="also evaluate sampled at this temperature, beside "
                    "greedy (0: greedy only)")
+    p.add_argument("--draws", type=int, default=1, help="the fine-tuned model's sampled passes decode every held-out "
+                   "stream this many times (eval-dialog --draws); with more than one the peers run greedy only")
+    p.add_argument("--start-temperature", type=float, help="also evaluate the fine-tuned model with turn starts drawn "
+                   "at this temperature (eval-dialog --start-temperature), words greedy and sampled at --temperature")
     args = p.parse_args()
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
@@ -163,18 +171,31 @@ def main() -> int:
                                      "--turn-head-weight", str(args.turn_head_weight), "--context", args.context,
                                      *resume,
                                      *(["--weights", str(args.init_weights)] if args.init_weights else []))
-    eval_args = ["eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"), "--name",
-                 "finetuned", "--peer-empty", "--peer", f"before fine-tuning={args.init_weights or 'random'}",
-                 "--judge", "rules", "--seed", str(args.seed),
-                 "--new-person", "restart" if args.context == "dialog" else "swap"]
+    model_args = ["eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"), "--name",
+                  "finetuned", "--judge", "rules", "--seed", str(args.seed),
+                  "--new-person", "restart" if args.context == "dialog" else "swap"]
+    eval_args = [*model_args, "--peer-empty", "--peer", f"before fine-tuning={args.init_weights or 'random'}"]
     eval_json, sampled_json = w / "eval_dialog.json", w / "eval_dialog_sampled.json"
     times["eval_dialog_s"] = egomem(*eval_args, "--out", str(eval_json), *(["--served-fps"] if args.served_fps else []))
-    if args.temperature > 0:  # the same models and streams, sampled (throughput is measured once, above)
-        times["eval_dialog_sampled_s"] = egomem(*eval_args, "--temperature", str(args.temperature), "--out",
+    # the same streams decoded otherwise (throughput is measured once, above); name -> eval-dialog report
+    decodings: dict[str, Path] = {}
+    if args.temperature > 0:
+        decodings[f"sampled, T={args.temperature}"] = sampled_json
+        times["eval_dialog_sampled_s"] = egomem(*(eval_args if args.draws == 1 else model_args), "--temperature",
+                                                str(args.temperature), "--draws", str(args.draws), "--out",
                                                 str(sampled_json), "--fps-ticks", "0")
+    if args.start_temperature is not None:
+        for t in ([0.0, args.temperature] if args.temperature > 0 else [0.0]):
+            name = f"{'greedy' if t == 0 else f'sampled, T={t}'}, turn starts at T={args.start_temperature}"
+            decodings[name] = w / f"eval_dialog_start_T{t}.json"
+            draws = str(args.draws if t > 0 or args.start_temperature > 0 else 1)
+            times[f"eval_dialog_start_T{t}_s"] = egomem(*model_args, "--temperature", str(t), "--start-temperature",
+                                                        str(args.start_temperature), "--draws", draws,
+                                                        "--out", str(decodings[name]), "--fps-ticks", "0")
     card = json.loads((run / "model_card.json").read_text())
     report = json.loads(eval_json.read_text())
-    sampled = json.loads(sampled_json.read_text()) if args.temperature > 0 else None
+    others = {name: json.loads(path.read_text()) for name, path in decodings.items()}
+    sampled = others.get(f"sampled, T={args.temperature}")
     losses = [json.loads(x) for x in (run / "loss.jsonl").read_text().splitlines() if x.strip()]
     result = {
         "what": f"tiny preset fine-tuned on Level-{args.train_levels} MemChunk data (CPU), Fact Score on held-out people",
@@ -188,10 +209,15 @@ def main() -> int:
     if sampled is not None:
         result["eval_sampled"] = sampled
         result["summary_sampled"] = {"temperature": args.temperature, **summary(sampled)}
+    starts = {name: r for name, r in others.items() if "turn starts" in name}
+    if starts:
+        result["eval_starts"] = starts
+        result["summary_starts"] = {name: summary(r) for name, r in starts.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, losses, args.out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("summary", "summary_sampled") if k in result}, indent=1))
+    print(json.dumps({k: result[k] for k in ("summary", "summary_sampled", "summary_starts") if k in result},
+                     indent=1))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
@@ -200,7 +226,10 @@ def summary(report: dict) -> dict:
     """Model -> condition -> the Level-1 (greetings, answers) and Level-2 figures of an eval-dialog report."""
     return {m["name"]: {c: {"l1_fact_score": m[c]["l1"]["fact_score"], "n": m[c]["l1"]["n"],
                             "greetings": m[c]["l1"]["greetings"], "answers": m[c]["l1"]["answers"],
-                            "by_person": m[c]["l1"].get("by_person"),
+                            "by_person": m[c]["l1"].get("by_person"), "reference": m[c]["l1"].get("reference"),
+                            "reachable": m[c]["l1"].get("reachable"),
+                            "draws": m[c].get("draws", 1),
+                            "per_draw_l1": [d["l1"] for d in m[c].get("per_draw", [])] or None,
                             "l2_fact_score": m[c]["l2"]["fact_score"], "l2_n": m[c]["l2"]["n"],
                             "l2_query": m[c]["l2"]["query"]}
                         for c in report["conditions"]} for m in report["models"]}
@@ -216,6 +245,7 @@ def plot(result: dict, losses: list[dict], path: Path) -> None:
     if "summary_sampled" in result:
         sampled = dict(result["summary_sampled"])
         panels.append((f"sampled, T={sampled.pop('temperature')}", sampled))
+    panels += list(result.get("summary_starts", {}).items())
     fig, (a, *bars) = plt.subplots(1, 1 + len(panels), figsize=(6 + 6 * len(panels), 4.2))
     for kind, style in (("train", "-"), ("eval", "o-")):
         pts = [(r["step"], r["loss"]) for r in losses if r.get("kind", "train") == kind and "loss" in r]
@@ -224,7 +254,8 @@ def plot(result: dict, losses: list[dict], path: Path) -> None:
     a.set_xlabel("step")
     a.set_ylabel("masked loss (text + speak)")
     a.legend()
-    a.set_title(f"finetune ({result['times_s'].get('finetune_s', float('nan')) / 60:.1f} min)")
+    took = result["times_s"].get("finetune_s")
+    a.set_title(f"finetune ({took / 60:.1f} min)" if took else "finetune (an earlier run's, reused: not timed here)")
     conds = result["eval"]["conditions"]
     width = 0.8 / (2 * len(conds))
     for b, (decoding, table) in zip(bars, panels, strict=True):

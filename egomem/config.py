@@ -99,6 +99,10 @@ class DialogConfig:
     l2_steps: int = 256  # Level-2 MemChunk (retrieved facts), as in the paper; also retrieval's token budget
     ring_steps: int = 0  # dialog ring; 0 = the model's trained context minus the chunks (7B: 3000 - 768)
     temperature: float = 0.0  # 0 = greedy (reproducible); Moshi samples at 0.7 text / 0.8 audio
+    # While the text channel is silent, whether it starts speaking is drawn at this temperature (the word then
+    # at `temperature`); None: one draw at `temperature`. 1.0 keeps the model's odds of opening a turn whose
+    # moment is uncertain, which greedy and low temperatures all but never take (docs/training.md#when-to-speak)
+    start_temperature: float | None = None
     # When a different person is recognised: "swap" their profile into L1 and go on with the conversation
     # (the paper); "restart" the stream with it, a fresh conversation (for a model fine-tuned with
     # `egomem finetune --context dialog`: docs/training.md#a-new-person)
@@ -466,7 +470,8 @@ POSITIVE = (
     "asr.max_attempts", "trigger.num_heads", "trigger.max_chunk_steps",
     "trigger.window_steps")
 NON_NEGATIVE = ("dialog.l1_steps", "dialog.l2_steps", "dialog.ring_steps", "dialog.temperature",
-                "trigger.window_overlap_steps", "trigger.short_gap_cost", "identity.ivf_nlist")
+                "dialog.start_temperature", "trigger.window_overlap_steps", "trigger.short_gap_cost",
+                "identity.ivf_nlist")  # None (where a key allows it) passes
 
 
 def validate(cfg: Config, source: str = "config") -> None:
@@ -483,7 +488,7 @@ def validate(cfg: Config, source: str = "config") -> None:
     for key in POSITIVE:
         need(_get(cfg, key) > 0, f"{key} = {_get(cfg, key)} must be positive")
     for key in NON_NEGATIVE:
-        need(_get(cfg, key) >= 0, f"{key} = {_get(cfg, key)} must be >= 0")
+        need(_get(cfg, key) is None or _get(cfg, key) >= 0, f"{key} = {_get(cfg, key)} must be >= 0")
     ports = {k: _get(cfg, k) for k in ("server.http_port", "server.grpc_port", "server.metrics_port")}
     for key, v in [*ports.items(), ("orchestrator.port", cfg.orchestrator.port)]:
         need(0 <= v <= 65535, f"{key} = {v} is not a TCP port (0..65535)")

@@ -40,6 +40,7 @@ def test_defaults_pass_validation():
     ({"memory": {"orchestrator_heartbeat_s": 10.0}}, ("memory.orchestrator_heartbeat_s", "memory.orchestrator_live_s")),
     ({"memory": {"forget_prepare_timeout_s": 600.0}}, ("memory.forget_prepare_timeout_s", "memory.forget_prepare_ttl_s")),
     ({"mimi": {"max_streams": 0}}, ("mimi.max_streams",)),
+    ({"dialog": {"start_temperature": -0.5}}, ("dialog.start_temperature",)),
     ({"orchestrator": {"max_streams": 20}}, ("orchestrator.max_streams", "dialog.max_streams")),
     ({"mimi": {"max_streams": 4}}, ("orchestrator.max_streams", "mimi.max_streams")),
     ({"orchestrator": {"identify_window_s": 0.5}}, ("orchestrator.identify_window_s", "identity.min_voiced_s")),
@@ -53,6 +54,14 @@ def test_cross_field_rules_name_the_keys(tmp_path, overrides, keys):
     path.write_text("".join(f"[{s}]\n" + "".join(f"{k} = {v!r}\n" for k, v in kv.items()) for s, kv in overrides.items()))
     with pytest.raises(ConfigError, match=keys[0].replace(".", r"\.")):
         load_config(path, env={})
+
+
+def test_an_optional_number_is_none_by_default_and_read_from_the_environment():
+    assert load_config(env={}).dialog.start_temperature is None
+    assert load_config(env={"EGOMEM__DIALOG__START_TEMPERATURE": "1.0"}).dialog.start_temperature == 1.0
+    assert load_config(env={"EGOMEM__DIALOG__START_TEMPERATURE": "none"}).dialog.start_temperature is None
+    with pytest.raises(ConfigError, match="dialog.start_temperature"):
+        load_config(env={"EGOMEM__DIALOG__START_TEMPERATURE": "warm"})
 
 
 def test_with_overrides_returns_a_new_config_and_leaves_the_old_one():

@@ -7,6 +7,7 @@ attends a full L1 and L2 (text pad when empty) before its dialog, as a full-sequ
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from moshi.utils.compile import no_compile
 
 from egomem.dialog import DialogEngine, NoFreeSlotError
 from egomem.dialog.checkpoint import build_lm
+from egomem.dialog.engine import sample_text
 
 TINY = dict(dim=64, num_heads=2, num_layers=2, card=32, text_card=40, context=32, depformer_dim=32,
             depformer_dim_feedforward=64, depformer_num_heads=2, depformer_num_layers=1)
@@ -271,6 +273,65 @@ def test_sampling_uses_temperature(lm):
     a, b = run(0, 1.0), run(1, 1.0)
     assert not torch.equal(a, b) and torch.equal(a, run(0, 1.0))
     assert int(a[1:, 1:].max()) < TINY["card"] and int(a[1:, 0].max()) < TINY["text_card"]
+
+
+def _wait_or_word(p_pad: float, p_words: tuple[float, ...], n: int = 4000) -> tuple[torch.Tensor, int]:
+    """`n` rows of text logits: the pad at `p_pad`, ids 10, 11, ... at `p_words`, the rest ~0."""
+    logits = torch.full((n, 1, 1, TINY["text_card"]), -30.0)
+    logits[..., 3] = torch.tensor(p_pad).log()
+    for i, p in enumerate(p_words):
+        logits[..., 10 + i] = torch.tensor(p).log()
+    return logits, 3
+
+
+def test_start_temperature_keeps_the_odds_of_starting_and_sharpens_the_word():
+    """sample_text with start_temperature: on a silent channel, wait-or-start drawn at its own temperature (1: the
+    model's odds), the word at `temperature` among the words; one temperature over all would all but never
+    start. A channel mid-reply keeps the one draw."""
+    logits, pad = _wait_or_word(0.8, (0.15, 0.05))
+    torch.manual_seed(0)
+    one = sample_text(logits, pad, 0.5, 25)[..., 0, 0]
+    assert (one != pad).float().mean() < 0.06  # 0.2 to speak, squared: 0.025 / 0.665 = 3.8 %
+    two = sample_text(logits, pad, 0.5, 25, start_temperature=1.0)[..., 0, 0]
+    assert abs((two != pad).float().mean() - 0.2) < 0.03
+    words = two[two != pad]
+    assert set(words.tolist()) <= {10, 11} and abs((words == 10).float().mean() - 0.9) < 0.05  # 0.15² : 0.05²
+    greedy_words = sample_text(logits, pad, 0.0, 25, start_temperature=1.0)[..., 0, 0]
+    assert set(greedy_words[greedy_words != pad].tolist()) == {10} and (greedy_words != pad).any()
+    silent = torch.arange(len(logits))[:, None, None] % 2 == 0  # odd rows are mid-reply: plain greedy (the pad)
+    mixed = sample_text(logits, pad, 0.0, 25, start_temperature=1.0, silent=silent)[..., 0, 0]
+    assert (mixed[1::2] == pad).all() and abs((mixed[0::2] != pad).float().mean() - 0.2) < 0.04
+    # start_temperature 0: the likelier of waiting (0.4) and any word (0.6), though the pad is the top token
+    logits, pad = _wait_or_word(0.4, (0.35, 0.25))
+    assert (sample_text(logits, pad, 0.0, 25) == pad).all()
+    assert (sample_text(logits, pad, 0.0, 25, start_temperature=0.0) == 10).all()
+
+
+def test_engine_draws_turn_starts_only_while_silent():
+    """The engine's text head here gives the pad 0.45 and each of the 39 words 0.014 on every tick. Greedy, the
+    channel never speaks. With start_temperature 0 a silent channel starts (any word: 0.55 > 0.45) and the tick
+    after a word, mid-reply, keeps the plain greedy draw (the pad): word and pad alternate."""
+    lm = build_lm("tiny", seed=0, **TINY)
+    head = torch.nn.Linear(lm.dim, TINY["text_card"], bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[lm.text_padding_token_id] = math.log(0.45 * (TINY["text_card"] - 1) / 0.55)
+    lm.text_linear = head
+
+    def run(start: float | None) -> list[int]:
+        eng = DialogEngine(lm, max_streams=1, l1_steps=8, l2_steps=4, ring_steps=16, start_temperature=start)
+        s = eng.open()
+        codes = _codes(2, 16)
+        texts = [int(eng.step([s], codes[t:t + 1])[0][0]) for t in range(16)]
+        return [t for t in texts if t != lm.ungenerated_token_id]
+
+    pad = lm.text_padding_token_id
+    assert set(run(None)) == {pad}
+    started = run(0.0)
+    assert len(started) >= 10 and all((t == pad) == (i % 2 == 1) for i, t in enumerate(started))
+    with pytest.raises(ValueError, match="start_temperature"):
+        DialogEngine(lm, max_streams=1, l1_steps=8, l2_steps=4, ring_steps=16, start_temperature=-1.0)
 
 
 def test_engine_refuses_non_rope_model():

@@ -248,17 +248,20 @@ assert len(CHARS) < CARD
 
 def make_streams(rng: np.random.Generator, plan: list = PLAN) -> list[Stream]:
     """Hand-made streams: listen codebook 0 carries the scripted model's text (code c -> CHARS[c - 1]), the
-    other rows random codes; the noised copy's script says the wrong things (NOISED)."""
+    text row the reference (the clean script), the other rows random codes; the noised copy's script says the
+    wrong things (NOISED)."""
     out = []
     for i, dialogs in enumerate(plan):
         n = 100 if i == 0 else 28
         clean, noised = (rng.integers(1, CARD, (17, n)).astype(np.int16) for _ in range(2))
         clean[9] = noised[9] = 0  # code 0: text pad
+        clean[0] = noised[0] = TOK.pad_id
         layouts = []
         for d, start, turns in dialogs:
             tl = []
             for j, (us, ue, text, *at) in enumerate(turns):
                 ts = at[0] if at else ue + 1
+                clean[0, ts:ts + len(text)] = noised[0, ts:ts + len(text)] = TOK.encode(text)
                 for row, t in ((clean, text), (noised, NOISED.get(text, text))):
                     row[9, ts:ts + len(t)] = [CHARS.index(c) + 1 for c in t]
                 end = ts + len(text)
@@ -318,7 +321,8 @@ def test_evaluate_scripted_model_every_figure_known(memory):
     r = evaluate(engine, TOK, DIALOGS, streams, memory, judge)
     by_person = r["l1"].pop("by_person")
     assert r["l1"] == {"fact_score": 1.0, "n": 3, "unjudged": 1, "greetings": {"fact_score": 1.0, "n": 2},
-                       "answers": {"fact_score": 1.0, "n": 1}}
+                       "answers": {"fact_score": 1.0, "n": 1}, "reference": {"fact_score": 1.0, "n": 3},
+                       "reachable": {"fact_score": 1.0, "n": 3}}
     assert_by_person_adds_up(r, by_person)
     assert r["l2"]["fact_score"] == 1.0 and r["l2"]["n"] == 1
     assert r["l2"]["query"] == {"precision": 1.0, "recall": 0.5, "exact": 0.0, "found": 1.0, "n": 1}
@@ -345,6 +349,9 @@ def test_evaluate_scripted_model_every_figure_known(memory):
 
     noisy = evaluate(engine, TOK, DIALOGS, streams, memory, judge, noised=True)
     assert noisy["l1"]["fact_score"] == 1 / 3  # "Hi Bea!" and "Rome" wrong; "Hi Cyd!" right
+    # the reference is the text channel, the same in both conditions; every turn of it reachable
+    assert noisy["l1"]["reference"] == {"fact_score": 1.0, "n": 3} and noisy["l1"]["reachable"]["fact_score"] == 1 / 3
+    assert [t["reference"]["reply"] for t in noisy["turns"]] == [t["reply"] for t in r["turns"]]
     assert noisy["l1"]["greetings"]["fact_score"] == 0.5 and noisy["l1"]["answers"]["fact_score"] == 0.0
     assert noisy["l2"]["fact_score"] == 0.0 and noisy["l2"]["query"]["precision"] == 0.0
 
@@ -378,6 +385,28 @@ def test_evaluate_new_person_restart_opens_the_stream_afresh(memory):
                  new_person="restart")
     assert [w[3] for w in engine.writes if w[1] == 1] == [0, 42]  # ada twice: no restart
     assert [t["person"] for t in r["turns"]] == ["first", "first", "same"]
+
+
+def test_evaluate_same_persons_greeting_window_and_the_reference(memory):
+    """The same person's next dialog changes nothing in L1 (it is rewritten as it was): its greeting
+    window opens where the dialog before ended, so a greeting in the silence between (frame 36, the dialog
+    starts at 50) counts. The reference (the text channel) is judged over the same windows: a reply cut before
+    its fact fails there (an interruption does that), and `reachable` leaves that turn out."""
+    plan = [[(0, 2, [(2, 2, "Hi Ada!"), (10, 14, "You live in Oslo.")]),
+             (0, 50, [(50, 50, "Hi Ada!", 36), (60, 64, "You live in Oslo.")])]]
+    stream, = make_streams(np.random.default_rng(0), plan)
+    stream.tokens[0, 65 + len("You live in"):65 + len("You live in Oslo.")] = TOK.pad_id  # cut before "Oslo"
+    engine = DialogEngine(scripted_lm(), max_streams=1, l1_steps=512, l2_steps=256, ring_steps=32)
+    judge = RuleJudge([HOME], DIALOGS, fact_vocabulary())
+    r = evaluate(engine, TOK, DIALOGS, [stream], memory, judge, new_person="restart")
+    assert [(t["person"], t["frames"], t["reply"]) for t in r["turns"]] == [
+        ("first", [0, 10], "Hi Ada!"), ("first", [14, 50], "You live in Oslo.Hi Ada!"),
+        ("same", [32, 60], "Hi Ada!"), ("same", [64, 100], "You live in Oslo.")]  # 32: the first dialog's end
+    assert [t["reference"] for t in r["turns"]][2:] == [{"reply": "Hi Ada!", "fact_score": 1},
+                                                        {"reply": "You live in", "fact_score": 0}]
+    assert r["l1"]["by_person"]["same"]["greetings"] == {"fact_score": 1.0, "n": 1}
+    assert (r["l1"]["fact_score"], r["l1"]["reference"], r["l1"]["reachable"]) == (
+        1.0, {"fact_score": 0.75, "n": 4}, {"fact_score": 1.0, "n": 3})
 
 
 def test_evaluate_tiny_random_model_and_empty_memchunk_peer(memory):
@@ -418,6 +447,13 @@ def test_evaluate_sampling_repeats_with_its_seed(memory):
     assert torch.equal(torch.get_rng_state(), before)  # seeded in a fork: the caller's generator is untouched
     replies = [[t["reply"] for t in r["turns"]] for r in runs]
     assert replies[0] == replies[1] and replies[0] != replies[2] and all(replies[0])
+    both = evaluate(engine, TOK, DIALOGS, streams, memory, judge, seed=0, draws=2)  # seeds 0 and 1, pooled
+    assert [t["reply"] for t in both["turns"]] == replies[0] + replies[2]
+    assert [t["draw"] for t in both["turns"]] == [0] * 5 + [1] * 5 and both["draws"] == 2
+    assert both["per_draw"] == [{"seed": s, "l1": runs[i]["l1"]["fact_score"], "l2": runs[i]["l2"]["fact_score"]}
+                                for s, i in ((0, 0), (1, 2))]
+    assert both["l1"]["n"] == 2 * runs[0]["l1"]["n"] and both["l1"]["fact_score"] == pytest.approx(
+        (runs[0]["l1"]["fact_score"] + runs[2]["l1"]["fact_score"]) / 2)
     assert (runs[0]["temperature"], runs[0]["seed"], runs[2]["seed"]) == (1.0, 0, 1)
 
 
@@ -434,7 +470,9 @@ def test_evaluate_with_llm_judge_reports_answer_quality(memory, server, monkeypa
     assert r["judge"] == "llm:fake-model" and len(server.requests) == 5
     by_person = r["l1"].pop("by_person")
     assert r["l1"] == {"fact_score": 0.75, "n": 4, "unjudged": 0,  # the LLM grades "Fine." too (expects nothing)
-                       "greetings": {"fact_score": 1.0, "n": 2}, "answers": {"fact_score": 0.5, "n": 2}}
+                       "greetings": {"fact_score": 1.0, "n": 2}, "answers": {"fact_score": 0.5, "n": 2},
+                       # the reference says what the model said: judged alike, from the cache (5 requests)
+                       "reference": {"fact_score": 0.75, "n": 4}, "reachable": {"fact_score": 1.0, "n": 3}}
     assert_by_person_adds_up(r, by_person)
     assert r["answer_quality"] == {"mean": (5 * 4 + 2) / 5, "n": 5}
 
@@ -468,6 +506,8 @@ def test_run_eval_on_a_dataset_folder(tmp_path, monkeypatch):
     add_eval_args(p)
     assert run_eval(p.parse_args(["--data", data, "--peer", "nope", "--out", str(out)])) == 2
     assert run_eval(p.parse_args(["--data", data, "--temperature", "-1", "--out", str(out)])) == 2
+    assert run_eval(p.parse_args(["--data", data, "--start-temperature", "-1", "--out", str(out)])) == 2
+    assert run_eval(p.parse_args(["--data", data, "--draws", "3", "--out", str(out)])) == 2  # greedy: same each draw
 
 
 def test_served_fps_through_a_real_tritonserver(tmp_path):

@@ -55,6 +55,35 @@ class NoFreeSlotError(RuntimeError):
     """Every stream slot is in use."""
 
 
+def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
+                start_temperature: float | None = None, silent: torch.Tensor | None = None) -> torch.Tensor:
+    """The text token from `logits` [..., card]: greedy at temperature 0, else top-k sampling at `temperature`.
+
+    With `start_temperature`, a silent channel (`silent` [...]: its last token the pad; None: every row) draws
+    in two steps: wait (the pad) or start speaking, a Bernoulli on the model's pad probability at
+    `start_temperature` (1: the model's own odds; 0: the likelier of the two), then which word, among the
+    words only. One temperature over every token squares an uncertain turn start away (at T = 0.5 a 10 %
+    chance to start becomes about 1 %; greedy never opens a turn whose moment is uncertain), while the words
+    want a low one; a channel mid-reply keeps the one draw, so the replies are not broken by pads
+    (docs/training.md#when-to-speak)."""
+    def draw(x: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(x, dim=-1) if temperature <= 0 else sample_token(x.float(), True, temperature, top_k)
+
+    if start_temperature is None:
+        return draw(logits)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    log_wait = logp[..., pad]
+    log_start = torch.log1p(-log_wait.exp().clamp(max=1 - 1e-6))  # log P(any word)
+    if start_temperature <= 0:
+        wait = log_wait >= log_start
+    else:
+        wait = torch.rand_like(log_wait) < torch.sigmoid((log_wait - log_start) / start_temperature)
+    words = logits.clone()
+    words[..., pad] = float("-inf")
+    two_step = torch.where(wait, pad, draw(words))
+    return two_step if silent is None else torch.where(silent, two_step, draw(logits))
+
+
 class DialogEngine:
     """A pool of dialog stream slots stepped together over one `LMModel` (see module docstring)."""
 
@@ -62,7 +91,8 @@ class DialogEngine:
                  ring_steps: int | None = None, temperature: float = 0.0, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, kernels: Impl = "auto", top_k_text: int = 25,
                  top_k_audio: int = 250, chunk_audio_token: int | None = None, cuda_graphs: bool = True,
-                 fixed_shape_tick: bool | None = None, kv_dtype: torch.dtype | None = None):
+                 fixed_shape_tick: bool | None = None, kv_dtype: torch.dtype | None = None,
+                 start_temperature: float | None = None):
         tr = lm.transformer
         if tr.positional_embedding not in ("rope", "rope_concat"):
             raise ValueError(f"DialogEngine needs a RoPE LMModel; this one uses {tr.positional_embedding!r}")
@@ -82,6 +112,9 @@ class DialogEngine:
         self.dtype = lm.dtype
         self.max_streams = max_streams
         self.temperature = float(temperature)
+        if start_temperature is not None and not start_temperature >= 0:
+            raise ValueError(f"start_temperature must be >= 0 or None, got {start_temperature}")
+        self.start_temperature = start_temperature
         self.top_k_text, self.top_k_audio = top_k_text, top_k_audio
         # training layout: ring + chunk = the model's trained context, when it has one
         if ring_steps is None:
@@ -341,7 +374,7 @@ class DialogEngine:
             x = self._finish_layer(layer, x, attn.reshape(B, 1, -1))  # attn [B, H, D] -> [B, 1, C]
         out = lm.out_norm(x) if lm.out_norm else x  # [B, 1, C]; the tiny preset has no final norm (presets.py)
         text_logits = lm.text_linear(out)[:, None]  # [B, 1, 1, text_card]
-        text = self._sample(text_logits, self.top_k_text)[:, 0, 0]  # [B]
+        text = self._sample_text(text_logits, inputs[:, 0, 0])[:, 0, 0]  # [B]
         audio = self._depformer(text, out)  # [B, dep_q]
         self.cache.advance(rows, exec_mask)
 
@@ -358,6 +391,12 @@ class DialogEngine:
         if return_logits:
             return result + (text_logits[:, 0, 0].float(),)
         return result
+
+    def _sample_text(self, logits: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """This tick's text token [B, 1, 1]; `last` [B]: the text token fed this tick (the one before)."""
+        silent = (last == self.lm.text_padding_token_id) | (last == self.lm.text_initial_token_id)
+        return sample_text(logits, self.lm.text_padding_token_id, self.temperature, self.top_k_text,
+                           self.start_temperature, silent[:, None, None])
 
     def _sample(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         if self.temperature <= 0:

@@ -42,10 +42,15 @@ def add_eval_args(p: Any) -> None:
     a("--temperature", type=float, metavar="T",
       help="decoding: 0 greedy, > 0 samples text and audio at T with dialog.top_k_text / top_k_audio, seeded by "
            "--seed (default: dialog.temperature, 0)")
+    a("--start-temperature", type=float, metavar="T",
+      help="while the text channel is silent, draw whether it starts speaking at T, the word then at "
+           "--temperature (default: dialog.start_temperature, none: one draw; docs/training.md#when-to-speak)")
     a("--new-person", choices=["swap", "restart"],
       help="a new person's L1: swapped into the running conversation, or the stream restarted with it (default: "
            "dialog.new_person; 'restart' for a model fine-tuned with --context dialog)")
     a("--seed", type=int, default=0, help="held-out generation and the sampling draws")
+    a("--draws", type=int, default=1, help="sampled decoding: decode every stream this many times (seeds --seed, "
+                                           "--seed + 1, ...); the figures pool them, per_draw gives each")
     a("--out", type=Path, default=Path("runs/eval_dialog.json"), help="JSON report; the PNG goes beside it")
 
 
@@ -172,8 +177,17 @@ def run_eval(args: Any) -> int:
         if args.temperature is not None and not args.temperature >= 0:
             raise EvalError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
         temperature = cfg.dialog.temperature if args.temperature is None else args.temperature
+        if args.start_temperature is not None and not args.start_temperature >= 0:
+            raise EvalError(f"--start-temperature must be >= 0, got {args.start_temperature}")
+        start_temperature = cfg.dialog.start_temperature if args.start_temperature is None else args.start_temperature
+        if args.draws < 1:
+            raise EvalError(f"--draws must be at least 1, got {args.draws}")
+        if args.draws > 1 and temperature == 0 and not start_temperature:
+            raise EvalError("--draws repeats a sampled decoding; this one is greedy (--temperature 0 and no "
+                            "--start-temperature above 0) and gives the same replies every draw")
         new_person = args.new_person or cfg.dialog.new_person
-        engine_cfg = replace(cfg.dialog, max_streams=args.batch, temperature=temperature)
+        engine_cfg = replace(cfg.dialog, max_streams=args.batch, temperature=temperature,
+                             start_temperature=start_temperature)
         engines: dict[str, DialogEngine] = {}
         engines[str(models[0][1])], tokenizer = build_engine(replace(engine_cfg, weights=models[0][1]))
         households, dialogs, streams = _eval_set(args, cfg, tokenizer, "noised" in conditions)
@@ -199,13 +213,14 @@ def run_eval(args: Any) -> int:
             for c in conditions:
                 entry[c] = evaluate(engines[key], tokenizer, dialogs, streams, memory, judge, c == "noised", use_memory,
                                     reply_frames=args.reply_frames, max_query_chars=cfg.retrieval.max_query_chars,
-                                    seed=args.seed, new_person=new_person)
+                                    seed=args.seed, new_person=new_person, draws=args.draws)
             if use_memory and args.fps_ticks > 0:  # throughput of these weights (the empty-MemChunk peer: the same)
                 fps = entry["fps"] = {"engine": engine_fps(engines[key], l1_ids, l2_ids, ticks=args.fps_ticks)}
                 if args.served_fps:
                     served = copy.deepcopy(cfg)  # the server's own slot pool: at least --batch slots
                     served.dialog = replace(cfg.dialog, weights=None if weights is None else Path(weights).resolve(),
-                                            max_streams=max(args.batch, cfg.dialog.max_streams), temperature=temperature)
+                                            max_streams=max(args.batch, cfg.dialog.max_streams), temperature=temperature,
+                                            start_temperature=start_temperature)
                     http, grpc, metrics = free_ports(3)
                     served.server = replace(cfg.server, http_port=http, grpc_port=grpc, metrics_port=metrics,
                                             run_dir=args.out.parent.resolve() / "eval_triton")
@@ -221,7 +236,8 @@ def run_eval(args: Any) -> int:
         if memory is not None:
             memory.close()
     report = {"judge": judge.name, "households": len(households), "dialogs": len(dialogs), "streams": len(streams),
-              "conditions": conditions, "seed": args.seed, "temperature": temperature, "reply_frames": args.reply_frames,
+              "conditions": conditions, "seed": args.seed, "draws": args.draws, "temperature": temperature,
+              "start_temperature": engine_cfg.start_temperature, "reply_frames": args.reply_frames,
               "new_person": new_person,
               "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -245,7 +261,10 @@ def _print_row(entry: dict[str, Any], conditions: list[str]) -> None:
     f = lambda x: "  -  " if x is None else f"{x:.3f}"  # noqa: E731
     for c in conditions:
         r, q, aq = entry[c], entry[c]["l2"]["query"], entry[c]["answer_quality"]
-        print(f"{entry['name']:<28} {c:<6} L1 fact {f(r['l1']['fact_score'])} (n={r['l1']['n']})  L2 fact "
+        spread = "" if "per_draw" not in r else " [draws " + " ".join(f(d["l1"]) for d in r["per_draw"]) + "]"
+        print(f"{entry['name']:<28} {c:<6} L1 fact {f(r['l1']['fact_score'])}{spread} (n={r['l1']['n']}; reference "
+              f"{f(r['l1']['reference']['fact_score'])}, on its {r['l1']['reachable']['n']}: "
+              f"{f(r['l1']['reachable']['fact_score'])})  L2 fact "
               f"{f(r['l2']['fact_score'])} (n={r['l2']['n']})  query P {f(q['precision'])} R {f(q['recall'])} "
               f"EM {f(q['exact'])}  AQ {aq if isinstance(aq, str) else f(aq['mean'])}", flush=True)
 
@@ -266,12 +285,17 @@ def plot(report: dict[str, Any], path: Any) -> None:
             bars = ax.bar([i + (k - (len(conds) - 1) / 2) * w for i in range(len(models))], [v or 0 for v in vals], w,
                           label=c)
             for b, v, m in zip(bars, vals, models, strict=True):
+                ceiling = m[c][level]["reference"]["fact_score"]  # the held-out text channel's own score
+                if ceiling is not None:
+                    ax.hlines(ceiling, b.get_x(), b.get_x() + w, colors="k", linestyles=":", linewidth=1)
                 ax.annotate("n/a" if v is None else f"{v:.2f}\nn={m[c][level]['n']}",
                             (b.get_x() + w / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(models)), [m["name"] for m in models], rotation=15, fontsize=8)
-        ax.set(ylim=(0, 1.15), title=f"Level-{level[1]} Fact Score", ylabel="Fact Score")
+        ax.set(ylim=(0, 1.15), title=f"Level-{level[1]} Fact Score (dotted: the reference's)", ylabel="Fact Score")
         ax.legend(fontsize=8)
     decoding = f"sampled at T={report['temperature']}" if report.get("temperature") else "greedy"
+    if report.get("start_temperature") is not None:
+        decoding += f", turn starts at T={report['start_temperature']}"
     fig.suptitle(f"eval-dialog ({report['judge']} judge, {report['streams']} held-out streams, {decoding})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -10,10 +10,13 @@ clears L2, as every training sample's dialog starts with L2 empty); when the mod
 (`MemoryTexts.l2`) and an L2 refresh before the next tick. The empty-MemChunk peer writes nothing.
 
 A turn's reply is the model's decoded text from the end of the user's audio (for a greeting: the frame
-its dialog's L1 refresh is written, since the model may open as soon as it knows who is there) until the
-next user turn starts, at most `reply_frames` frames, with any `<retr>...<answer>`
-cut out; the judge (judge.py) scores it. Level-2 turns also score the first query the model wrote
-between the start of the user's audio and the end of that window. Level-1 figures come also `by_person`:
+its dialog's L1 refresh is written, since the model may open as soon as it knows who is there; for the same
+person's next dialog, whose refresh rewrites the same L1, the end of the dialog before: `greeting_opens`) until
+the next user turn starts, at most `reply_frames` frames, with any `<retr>...<answer>` cut out; the judge
+(judge.py) scores it. Beside it the judge scores the held-out stream's own text channel over the same window
+(`reference`: the ceiling, below 1 where an interruption cuts a reply before its fact) and the model's Fact
+Score on the turns the reference passes (`reachable`). Level-2 turns also score the first query the model
+wrote between the start of the user's audio and the end of that window. Level-1 figures come also `by_person`:
 the stream's first person, a new person later (an L1 refresh), the same person's next dialog (none).
 
 The command around it (held-out people -> dialogs -> streams, models x conditions, throughput, the
@@ -39,10 +42,10 @@ from egomem.dialog.tokenizer import TextTokenizer
 from egomem.retrieval.query import RetrievalQuery, parse_query
 
 from .judge import NOT_MEASURED, Judge, TurnCase, query_scores
-from .streams import Stream, dialog_persons
+from .streams import Stream, StreamLayout, dialog_persons
 from .types import Dialog, Query
 
-LISTEN = slice(9, 17)  # listen rows of the aligned 17-row stream
+TEXT, LISTEN = 0, slice(9, 17)  # the text row and the listen rows of the aligned 17-row stream
 _QUERY_MARKUP = re.compile(r"<retr>.*?(<answer>|$)", re.S)
 
 
@@ -113,44 +116,55 @@ def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dia
              streams: Sequence[Stream], memory: MemorySource, judge: Judge, noised: bool = False,
              use_memory: bool = True, batch: int = 8, reply_frames: int = 250, l1_steps: int = 512,
              l2_steps: int = 256, max_query_chars: int = 2000, seed: int = 0,
-             new_person: str = "swap") -> dict[str, Any]:
+             new_person: str = "swap", draws: int = 1) -> dict[str, Any]:
     """Run held-out `streams` (their dialogs: `dialogs[DialogLayout.index]`) through the engine and judge
     each Level-1 and Level-2 turn (module docstring). `use_memory=False` is the empty-MemChunk peer. An engine
     is used as it is (its free slots step together); for an LMModel one is built (`batch`, `l1_steps`, `l2_steps`).
     A sampling engine (temperature > 0) draws from torch's generator, seeded here with `seed` (in a fork of its
-    state): a run repeats. `new_person` as `[dialog] new_person`: "restart" opens the stream afresh (START) with
-    the L1 of each dialog whose person differs from the previous dialog's, as the orchestrator then does.
+    state): a run repeats. `draws` > 1 decodes every stream that many times (seeds `seed`, `seed` + 1, ...):
+    the figures pool all draws' turns (each record names its `draw`), `per_draw` gives each draw's own.
+    `new_person` as `[dialog] new_person`: "restart" opens the stream afresh (START) with the L1 of each dialog
+    whose person differs from the previous dialog's, as the orchestrator then does.
     Returns the condition's report: Fact Scores, query-word scores, Answer Quality and per-turn records."""
+    if draws < 1:
+        raise EvalError(f"draws must be at least 1, got {draws}")
     engine = _engine(lm_or_engine, batch, l1_steps, l2_steps)
     pool = DialogStreamPool(engine, tokenizer, ttl_s=float("inf"))
     n1, n2 = engine.cache.n1, engine.cache.n2
-    runs = []
-    for i, s in enumerate(streams):
-        l1_at = {(0 if k == 0 else d.start): d.user_id for k, d in enumerate(s.layout.dialogs)}
-        runs.append(_Run(i + 1, s, _condition_frames(s, noised), l1_at))
-    stats = {"l1_writes": 0, "l2_writes": 0, "l1_cut": 0, "l2_cut": 0, "frames": 0}
     width = len(engine.free)
     if width == 0:
         raise EvalError("the engine has no free stream slot: close its streams or pass an LMModel")
-    t0 = time.perf_counter()
+    stats = {"l1_writes": 0, "l2_writes": 0, "l1_cut": 0, "l2_cut": 0, "frames": 0}
+    records, per_draw, seconds = [], [], 0.0
     cuda = [engine.device] if torch.device(engine.device).type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):  # seeded draws here; the caller's generator state is left as it was
-        torch.manual_seed(seed)
-        try:
-            for g in range(0, len(runs), width):
-                _drive(pool, runs[g:g + width], memory, tokenizer, use_memory, n1, n2, max_query_chars, stats,
-                       new_person == "restart")
-        finally:  # a failed run leaves no slot taken (END frees them when all goes well)
-            for r in runs:
-                pool.close(r.sid)
-    seconds = time.perf_counter() - t0
-    records = []
-    for run in runs:
-        records += _judge_stream(run, dialogs, memory, judge, tokenizer, reply_frames)
+    for k in range(draws):
+        runs = []
+        for i, s in enumerate(streams):
+            l1_at = {(0 if j == 0 else d.start): d.user_id for j, d in enumerate(s.layout.dialogs)}
+            runs.append(_Run(i + 1, s, _condition_frames(s, noised), l1_at))
+        t0 = time.perf_counter()
+        with torch.random.fork_rng(devices=cuda):  # seeded draws; the caller's generator state is left as it was
+            torch.manual_seed(seed + k)
+            try:
+                for g in range(0, len(runs), width):
+                    _drive(pool, runs[g:g + width], memory, tokenizer, use_memory, n1, n2, max_query_chars, stats,
+                           new_person == "restart")
+            finally:  # a failed run leaves no slot taken (END frees them when all goes well)
+                for r in runs:
+                    pool.close(r.sid)
+        seconds += time.perf_counter() - t0
+        drawn = [rec | ({"draw": k} if draws > 1 else {}) for run in runs
+                 for rec in _judge_stream(run, dialogs, memory, judge, tokenizer, reply_frames)]
+        records += drawn
+        figures = _aggregate(drawn)
+        per_draw.append({"seed": seed + k, "l1": figures["l1"]["fact_score"], "l2": figures["l2"]["fact_score"]})
     report = _aggregate(records)
-    report.update(noised=noised, memory=use_memory, judge=judge.name, temperature=engine.temperature, seed=seed,
+    if draws > 1:  # the figures above pool every draw's turns; each draw's own beside them
+        report["per_draw"] = per_draw
+    report.update(noised=noised, memory=use_memory, judge=judge.name, temperature=engine.temperature,
+                  start_temperature=engine.start_temperature, seed=seed, draws=draws,
                   new_person=new_person,
-                  streams=len(runs), frames=stats["frames"],
+                  streams=len(streams), frames=stats["frames"],
                   loop_frames_per_s=stats["frames"] / seconds if seconds else None, writes=stats, turns=records)
     return report
 
@@ -199,6 +213,19 @@ def _drive(pool: DialogStreamPool, runs: list[_Run], memory: MemorySource, token
                 stats["l2_cut"] += cut
 
 
+def greeting_opens(layout: StreamLayout, n: int) -> int:
+    """The first frame of dialog `n`'s greeting window: where the model can first know a conversation opens.
+    For the stream's first person and a new person, their L1 write (frame 0, the dialog's start: _Run.l1_at).
+    The same person's next dialog rewrites their L1 as it was (L2 emptied): nothing marks its start but the
+    silence after the previous dialog, whose length (StreamSpec.dialog_gap) the model cannot know, so the
+    window opens where that dialog ended; the previous turn's window still runs to this dialog's start (the two
+    share the silence between them)."""
+    persons = dialog_persons(layout)
+    if persons[n] == "first":
+        return 0
+    return layout.dialogs[n - 1].end if persons[n] == "same" else layout.dialogs[n].start
+
+
 def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, judge: Judge,
                   tokenizer: TextTokenizer, reply_frames: int) -> list[dict[str, Any]]:
     layout = run.stream.layout
@@ -216,16 +243,20 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
             turn = dialog.turns[u.turn]
             if turn.level == 0:
                 continue
-            # a greeting opens once the dialog's L1 is written: frame 0 for a stream's first dialog (_Run.l1_at)
-            a = u.user_end if turn.user.strip() else (0 if n == 0 else d.start)
+            a = u.user_end if turn.user.strip() else greeting_opens(layout, n)
             b = min(starts[k], a + reply_frames)
             reply = strip_queries(decode(tokenizer, run.texts[a:b]))
             retrieved = memory.l2(dialog.user_id, turn.query) if turn.query is not None else ""
             v = judge.judge(TurnCase(dialog, turn, reply, profile, retrieved))
+            # the ceiling: the held-out stream's own text channel over the same window, judged alike (a reply
+            # the next user turn interrupts may end before its fact: no model can score that turn)
+            reference = strip_queries(decode(tokenizer, run.stream.tokens[TEXT, a:b].tolist()))
+            ref = judge.judge(TurnCase(dialog, turn, reference, profile, retrieved))
             rec: dict[str, Any] = {"stream": layout.stream, "dialog": d.index, "person": persons[n], "turn": u.turn,
                                    "level": turn.level, "greeting": not turn.user.strip(), "frames": [a, b], "reply": reply, "fact_score": v.fact_score,
                                    "answer_quality": v.answer_quality, "reason": v.reason,
-                                   "expected": {"names": list(turn.names), "facts": list(turn.facts)}}
+                                   "expected": {"names": list(turn.names), "facts": list(turn.facts)},
+                                   "reference": {"reply": reference, "fact_score": ref.fact_score}}
             if turn.level == 2 and turn.query is not None:
                 query = next((q for f, q in run.queries if u.user_start <= f < b), None)
                 qs = query_scores(query, turn.query)
@@ -247,6 +278,12 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
         rs = [r for r in records if r["level"] == level]
         scored = [r["fact_score"] for r in rs if r["fact_score"] is not None]
         out[f"l{level}"] = {"fact_score": _mean(scored), "n": len(scored), "unjudged": len(rs) - len(scored)}
+        # the reference's own Fact Score (the ceiling), and the model's on the turns the reference scores
+        judged = [r for r in rs if r["fact_score"] is not None and r["reference"]["fact_score"] is not None]
+        out[f"l{level}"]["reference"] = {"fact_score": _mean([r["reference"]["fact_score"] for r in judged]),
+                                         "n": len(judged)}
+        reachable = [r["fact_score"] for r in judged if r["reference"]["fact_score"] == 1]
+        out[f"l{level}"]["reachable"] = {"fact_score": _mean(reachable), "n": len(reachable)}
     def l1(**match: Any) -> dict[str, Any]:
         scored = [r["fact_score"] for r in records if r["level"] == 1 and r["fact_score"] is not None
                   and all(r[k] == v for k, v in match.items())]
