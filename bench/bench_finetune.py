@@ -41,6 +41,8 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
         --out bench/results/bench_finetune_starts.json            # its stages reused: the evals again, the
                                                                   # sampled ones drawn 3 times, and turn starts
                                                                   # drawn at T = 1 (docs/training.md#when-to-speak)
+    ... the same with --return-visit 1.0 --temperature 0 --work runs/s37b \
+        --out bench/results/bench_finetune_return1_starts.json    # every main user returning; greedy passes only
 
 --copy-backbone N first trains the tiny preset for N steps on synthetic reading drills only
 (`egomem train-backbone`: letter words, random speech codes, never a dialog or a name of the corpus;
