@@ -55,6 +55,11 @@ class NoFreeSlotError(RuntimeError):
     """Every stream slot is in use."""
 
 
+def draw_token(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """A token from `logits` [..., card]: the argmax at temperature 0, else top-k sampling at `temperature`."""
+    return torch.argmax(logits, dim=-1) if temperature <= 0 else sample_token(logits.float(), True, temperature, top_k)
+
+
 def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
                 start_temperature: float | None = None, silent: torch.Tensor | None = None) -> torch.Tensor:
     """The text token from `logits` [..., card]: greedy at temperature 0, else top-k sampling at `temperature`.
@@ -66,11 +71,8 @@ def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
     chance to start becomes about 1 %; greedy never opens a turn whose moment is uncertain), while the words
     want a low one; a channel mid-reply keeps the one draw, so the replies are not broken by pads
     (docs/training.md#when-to-speak)."""
-    def draw(x: torch.Tensor) -> torch.Tensor:
-        return torch.argmax(x, dim=-1) if temperature <= 0 else sample_token(x.float(), True, temperature, top_k)
-
     if start_temperature is None:
-        return draw(logits)
+        return draw_token(logits, temperature, top_k)
     logp = torch.log_softmax(logits.float(), dim=-1)
     log_wait = logp[..., pad]
     log_start = torch.log1p(-log_wait.exp().clamp(max=1 - 1e-6))  # log P(any word)
@@ -80,8 +82,8 @@ def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
         wait = torch.rand_like(log_wait) < torch.sigmoid((log_wait - log_start) / start_temperature)
     words = logits.clone()
     words[..., pad] = float("-inf")
-    two_step = torch.where(wait, pad, draw(words))
-    return two_step if silent is None else torch.where(silent, two_step, draw(logits))
+    two_step = torch.where(wait, pad, draw_token(words, temperature, top_k))
+    return two_step if silent is None else torch.where(silent, two_step, draw_token(logits, temperature, top_k))
 
 
 class DialogEngine:
@@ -394,14 +396,14 @@ class DialogEngine:
 
     def _sample_text(self, logits: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """This tick's text token [B, 1, 1]; `last` [B]: the text token fed this tick (the one before)."""
+        if self.start_temperature is None:  # one draw: no silence to look for
+            return self._sample(logits, self.top_k_text)
         silent = (last == self.lm.text_padding_token_id) | (last == self.lm.text_initial_token_id)
         return sample_text(logits, self.lm.text_padding_token_id, self.temperature, self.top_k_text,
                            self.start_temperature, silent[:, None, None])
 
     def _sample(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
-        if self.temperature <= 0:
-            return torch.argmax(logits, dim=-1)
-        return sample_token(logits.float(), True, self.temperature, top_k)
+        return draw_token(logits, self.temperature, top_k)
 
     def _depformer(self, text: torch.Tensor, transformer_out: torch.Tensor) -> torch.Tensor:
         """The depth transformer over this tick's dep_q speak codebooks, on moshi's depformer weights.

@@ -237,7 +237,7 @@ def run_eval(args: Any) -> int:
             memory.close()
     report = {"judge": judge.name, "households": len(households), "dialogs": len(dialogs), "streams": len(streams),
               "conditions": conditions, "seed": args.seed, "draws": args.draws, "temperature": temperature,
-              "start_temperature": engine_cfg.start_temperature, "reply_frames": args.reply_frames,
+              "start_temperature": start_temperature, "reply_frames": args.reply_frames,
               "new_person": new_person,
               "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

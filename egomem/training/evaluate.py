@@ -156,10 +156,11 @@ def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dia
         drawn = [rec | ({"draw": k} if draws > 1 else {}) for run in runs
                  for rec in _judge_stream(run, dialogs, memory, judge, tokenizer, reply_frames)]
         records += drawn
-        figures = _aggregate(drawn)
-        per_draw.append({"seed": seed + k, "l1": figures["l1"]["fact_score"], "l2": figures["l2"]["fact_score"]})
+        if draws > 1:  # the pooled figures below, and each draw's own beside them
+            figures = _aggregate(drawn)
+            per_draw.append({"seed": seed + k, "l1": figures["l1"]["fact_score"], "l2": figures["l2"]["fact_score"]})
     report = _aggregate(records)
-    if draws > 1:  # the figures above pool every draw's turns; each draw's own beside them
+    if per_draw:
         report["per_draw"] = per_draw
     report.update(noised=noised, memory=use_memory, judge=judge.name, temperature=engine.temperature,
                   start_temperature=engine.start_temperature, seed=seed, draws=draws,
@@ -213,14 +214,13 @@ def _drive(pool: DialogStreamPool, runs: list[_Run], memory: MemorySource, token
                 stats["l2_cut"] += cut
 
 
-def greeting_opens(layout: StreamLayout, n: int) -> int:
+def greeting_opens(layout: StreamLayout, persons: Sequence[str], n: int) -> int:
     """The first frame of dialog `n`'s greeting window: where the model can first know a conversation opens.
     For the stream's first person and a new person, their L1 write (frame 0, the dialog's start: _Run.l1_at).
     The same person's next dialog rewrites their L1 as it was (L2 emptied): nothing marks its start but the
     silence after the previous dialog, whose length (StreamSpec.dialog_gap) the model cannot know, so the
     window opens where that dialog ended; the previous turn's window still runs to this dialog's start (the two
-    share the silence between them)."""
-    persons = dialog_persons(layout)
+    share the silence between them). `persons`: `dialog_persons(layout)`."""
     if persons[n] == "first":
         return 0
     return layout.dialogs[n - 1].end if persons[n] == "same" else layout.dialogs[n].start
@@ -243,7 +243,7 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
             turn = dialog.turns[u.turn]
             if turn.level == 0:
                 continue
-            a = u.user_end if turn.user.strip() else greeting_opens(layout, n)
+            a = u.user_end if turn.user.strip() else greeting_opens(layout, persons, n)
             b = min(starts[k], a + reply_frames)
             reply = strip_queries(decode(tokenizer, run.texts[a:b]))
             retrieved = memory.l2(dialog.user_id, turn.query) if turn.query is not None else ""
