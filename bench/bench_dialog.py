@@ -16,6 +16,7 @@ Writes bench/results/bench_dialog.json and bench_dialog.png; prints a table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -56,35 +57,66 @@ def _summary(times_ms: list[float], B: int) -> dict:
             "stream_steps_per_s": B * len(times_ms) / (sum(times_ms) / 1e3)}
 
 
+def _engine(lm, B: int, l1: int, l2: int, ring: int | None, kv_dtype: torch.dtype | None, aged: bool):
+    """An engine with B open slots, MemChunks filled (memory text then text-pad, as served); `aged`: as if
+    each stream had already taken a ring's worth of steps, so every ring entry is read."""
+    eng = DialogEngine(lm, max_streams=B, l1_steps=l1, l2_steps=l2, ring_steps=ring, kv_dtype=kv_dtype)
+    slots = [eng.open() for _ in range(B)]
+    g = torch.Generator().manual_seed(0)
+    for s in slots:
+        eng.write_memchunk(s, 1, torch.randint(4, lm.text_card, (l1 * 3 // 4,), generator=g))
+        eng.write_memchunk(s, 2, torch.randint(4, lm.text_card, (l2 * 3 // 4,), generator=g))
+        if aged:
+            eng.cache.steps[s] = eng.cache.ring
+    return eng, slots
+
+
 def bench_ticks(lm, B: int, warmup: int, steps: int, l1: int, l2: int, ring: int | None,
-                kv_dtype: torch.dtype | None = None) -> tuple[dict, dict, dict]:
-    """(engine, engine with a full ring, LMGen) tick timings at batch B, their ticks interleaved so machine
-    noise hits all alike. The engine's streams are young (their ring holds only the timed steps); on CPU
-    its attention reads only what the rows can see, so the full-ring engine is the cost of a stream
-    older than the ring (2232 steps, ~3 min, for the tiny preset), as LMGen's always is."""
+                kv_dtype: torch.dtype | None = None) -> tuple[dict | None, dict | None, dict | None]:
+    """(engine, engine with a full ring, LMGen) tick timings at batch B. The engine's streams are young
+    (their ring holds only the timed steps); the full-ring engine is the cost of a stream older than the
+    ring (2232 steps, ~3 min), as LMGen's always is (its ring cache attends all `context` entries).
+
+    On the CPU the three are built together and their ticks interleaved, so machine noise hits all alike.
+    On CUDA each holds a full KV cache (at 7B shape ~1.6 GB per stream in bf16), so they run one after
+    the other, each freed before the next; one that does not fit is None (out of memory), not a crash."""
     n_listen = lm.num_codebooks - lm.dep_q - 1
     codes = torch.randint(0, lm.card, (B, n_listen), device=lm.device)
-    gen = LMGen(lm, use_sampling=False)
-    engines = []
-    for aged in (False, True):
-        eng = DialogEngine(lm, max_streams=B, l1_steps=l1, l2_steps=l2, ring_steps=ring, kv_dtype=kv_dtype)
-        slots = [eng.open() for _ in range(B)]
-        g = torch.Generator().manual_seed(0)
-        for s in slots:  # MemChunks filled: memory text then text-pad, as served
-            eng.write_memchunk(s, 1, torch.randint(4, lm.text_card, (l1 * 3 // 4,), generator=g))
-            eng.write_memchunk(s, 2, torch.randint(4, lm.text_card, (l2 * 3 // 4,), generator=g))
-            if aged:  # as if the stream had already taken a ring's worth of steps: every ring entry is read
-                eng.cache.steps[s] = eng.cache.ring
-        engines.append((eng, slots))
-    ours, old, ref = [], [], []
-    with gen.streaming(B):
-        for i in range(warmup + steps):
-            t_ref = _time(lambda: gen.step(codes[..., None]), lm.device)
-            t_ours = _time(lambda: engines[0][0].tick(engines[0][1], codes), lm.device)  # the served tick
-            t_old = _time(lambda: engines[1][0].tick(engines[1][1], codes), lm.device)
-            if i >= warmup:  # first steps are slow (allocator, caches)
-                ref.append(t_ref), ours.append(t_ours), old.append(t_old)
-    return _summary(ours, B), _summary(old, B), _summary(ref, B)
+    if lm.device.type != "cuda":
+        gen = LMGen(lm, use_sampling=False)
+        (young, young_slots), (old, old_slots) = (_engine(lm, B, l1, l2, ring, kv_dtype, aged) for aged in (False, True))
+        ours, aged_t, ref = [], [], []
+        with gen.streaming(B):
+            for i in range(warmup + steps):
+                t_ref = _time(lambda: gen.step(codes[..., None]), lm.device)
+                t_ours = _time(lambda: young.tick(young_slots, codes), lm.device)  # the served tick
+                t_old = _time(lambda: old.tick(old_slots, codes), lm.device)
+                if i >= warmup:  # first steps are slow (allocator, caches)
+                    ref.append(t_ref), ours.append(t_ours), aged_t.append(t_old)
+        return _summary(ours, B), _summary(aged_t, B), _summary(ref, B)
+
+    def engine_run(aged: bool) -> dict:
+        eng, slots = _engine(lm, B, l1, l2, ring, kv_dtype, aged)
+        return _summary(_time_ticks(lambda: eng.tick(slots, codes), lm.device, warmup, steps), B)
+
+    def lmgen_run() -> dict:
+        gen = LMGen(lm, use_sampling=False)
+        try:
+            with gen.streaming(B):
+                return _summary(_time_ticks(lambda: gen.step(codes[..., None]), lm.device, warmup, steps), B)
+        finally:  # moshi's streaming() that fails half-way leaves the modules it reached streaming, caches held
+            gen._stop_streaming()
+            lm._stop_streaming()
+
+    results = []
+    for run in (lambda: engine_run(False), lambda: engine_run(True), lmgen_run):
+        try:
+            results.append(run())
+        except torch.OutOfMemoryError:
+            results.append(None)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return tuple(results)
 
 
 def bench_refresh(lm, l1: int, l2: int, dialog_steps: int, repeats: int) -> dict:
@@ -104,6 +136,27 @@ def bench_refresh(lm, l1: int, l2: int, dialog_steps: int, repeats: int) -> dict
     return {"l1_refresh_ms": statistics.median(refresh), "reprefill_ms": statistics.median(full),
             "reprefill_steps": l1 + l2 + dialog_steps,
             "refresh_over_reprefill": statistics.median(refresh) / statistics.median(full)}
+
+
+def _row(B: int, ours: dict | None, old: dict | None, ref: dict | None) -> dict:
+    """One batch size's record; a peer that ran out of GPU memory is None and its ratios with it."""
+    def ratio(a: dict | None) -> float | None:
+        return a["stream_steps_per_s"] / ref["stream_steps_per_s"] if a and ref else None
+
+    return {"B": B, "lmgen": ref, "engine": ours, "engine_full_ring": old,
+            "ratio_stream_steps": ratio(ours), "ratio_stream_steps_full_ring": ratio(old),
+            "engine_within_80ms": bool(ours and ours["p99_ms"] <= TICK_BUDGET_MS),
+            "engine_full_ring_within_80ms": bool(old and old["p99_ms"] <= TICK_BUDGET_MS)}
+
+
+def _fmt(t: dict | None) -> str:
+    if t is None:
+        return "out of memory"
+    return f"{t['stream_steps_per_s']:8.1f} st/s p50 {t['p50_ms']:7.1f} ms p99 {t['p99_ms']:7.1f} ms"
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
 
 
 def main() -> None:
@@ -134,16 +187,13 @@ def main() -> None:
         for B in batches:
             kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
             ours, old, ref = bench_ticks(lm, B, args.warmup, args.steps, args.l1, args.l2, args.ring, kv_dtype)
-            rows.append({"B": B, "lmgen": ref, "engine": ours, "engine_full_ring": old,
-                         "ratio_stream_steps": ours["stream_steps_per_s"] / ref["stream_steps_per_s"],
-                         "ratio_stream_steps_full_ring": old["stream_steps_per_s"] / ref["stream_steps_per_s"],
-                         "engine_within_80ms": ours["p99_ms"] <= TICK_BUDGET_MS,
-                         "engine_full_ring_within_80ms": old["p99_ms"] <= TICK_BUDGET_MS})
-            print(f"B={B:3d}  engine {ours['stream_steps_per_s']:8.1f} st/s p50 {ours['p50_ms']:7.1f} ms "
-                  f"p99 {ours['p99_ms']:7.1f} ms | full ring {old['stream_steps_per_s']:8.1f} st/s p50 "
-                  f"{old['p50_ms']:7.1f} ms | LMGen {ref['stream_steps_per_s']:8.1f} st/s p50 "
-                  f"{ref['p50_ms']:7.1f} ms p99 {ref['p99_ms']:7.1f} ms | ratio {rows[-1]['ratio_stream_steps']:.2f}x, "
-                  f"full ring {rows[-1]['ratio_stream_steps_full_ring']:.2f}x", flush=True)
+            rows.append(_row(B, ours, old, ref))
+            args.out.parent.mkdir(parents=True, exist_ok=True)  # rows so far, should a later B fail
+            args.out.write_text(json.dumps({"device": args.device, "preset": args.preset, "partial": True,
+                                            "ticks": rows}, indent=2))
+            print(f"B={B:3d}  engine {_fmt(ours)} | full ring {_fmt(old)} | LMGen {_fmt(ref)} | ratio "
+                  f"{_ratio(rows[-1]['ratio_stream_steps'])}, full ring {_ratio(rows[-1]['ratio_stream_steps_full_ring'])}",
+                  flush=True)
         refresh = bench_refresh(lm, args.l1, args.l2, args.dialog_steps, repeats=3)
     print(f"L1 refresh {refresh['l1_refresh_ms']:.1f} ms vs re-prefill of {refresh['reprefill_steps']} steps "
           f"{refresh['reprefill_ms']:.1f} ms -> {refresh['refresh_over_reprefill']:.3f}x")
@@ -170,10 +220,13 @@ def _plot(result: dict, path: Path) -> None:
 
     Bs = [r["B"] for r in result["ticks"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in ("engine", "engine_full_ring", "lmgen"):
-        a.plot(Bs, [r[name]["stream_steps_per_s"] for r in result["ticks"]], "o-", label=name)
-        b.plot(Bs, [r[name]["p50_ms"] for r in result["ticks"]], "o-", label=f"{name} p50")
-        b.plot(Bs, [r[name]["p99_ms"] for r in result["ticks"]], "x--", label=f"{name} p99")
+    for name in ("engine", "engine_full_ring", "lmgen"):  # a peer out of GPU memory at some B: a gap there
+        def at(key: str, name: str = name) -> list[float]:
+            return [r[name][key] if r[name] else float("nan") for r in result["ticks"]]
+
+        a.plot(Bs, at("stream_steps_per_s"), "o-", label=name)
+        b.plot(Bs, at("p50_ms"), "o-", label=f"{name} p50")
+        b.plot(Bs, at("p99_ms"), "x--", label=f"{name} p99")
     b.axhline(TICK_BUDGET_MS, color="grey", lw=0.8, label="80 ms budget")
     a.set(xscale="log", xlabel="streams B", ylabel="stream-steps/s", title="throughput (MemChunks filled)")
     b.set(xscale="log", xlabel="streams B", ylabel="ms per tick", title="tick latency")

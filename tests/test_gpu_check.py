@@ -17,8 +17,11 @@ def test_gpu_check_cpu_smoke_runs_every_part(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["cpu_smoke"] and [p["part"] for p in summary["parts"]] == ["kernels", "dialog", "dialog_fp8", "mimi", "served"]
+    assert summary["cpu_smoke"] and [p["part"] for p in summary["parts"]] == ["parity", "kernels", "dialog", "dialog_fp8", "mimi", "served"]
     assert all(p["status"] == "ok" for p in summary["parts"]) and summary["pending"] == []
+    parity = json.loads((tmp_path / "parity.json").read_text())
+    assert parity["ok"] and parity["fixed_vs_narrow_token_agreement"] == 1.0 and parity["fixed_vs_narrow_tokens"] > 0
+    assert parity["vs_forward_max_abs"] <= parity["tolerance_rel"] * parity["logit_std"]
     kernels = json.loads((tmp_path / "kernels.json").read_text())
     assert kernels["ok"] and kernels["memchunk_write_exact"]
     assert kernels["decode_attention_max_abs_err"] <= kernels["decode_attention_tolerance"]

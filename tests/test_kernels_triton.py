@@ -266,3 +266,23 @@ def test_fp8_caches_are_read_by_both_paths_as_their_upcast_values():
         dv = torch.zeros_like(dk)
         mw.memchunk_write(src, src, dk, dv, 1, 0, impl=impl)
         assert torch.equal(dk[:, 1, :, :n1].view(torch.uint8), src.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_an_fp8_cache_is_upcast_to_the_queries_half_dtype_not_to_fp32():
+    """With half-precision queries (a bf16 model on the GPU) the kernel upcasts fp8 K/V to the queries'
+    dtype, so its dots stay on tensor cores (upcast to fp32, "ieee" dots ran 12x slower on an H200): it
+    answers exactly what it answers over a half cache holding the same values. fp16 stands in for bf16
+    here: the Triton interpreter miscomputes bf16 dots (a bf16 cache is off by ~1e8 under it; on the
+    H200 the compiled bf16 kernel is within 0.004 of the reference, bench/results/gpu/kernels.json)."""
+    Hkv, D, n1, n2, W = 2, 32, 16, 8, 40
+    q, k, v, slots, l1, l2, ring, pos0 = _inputs(3, 4, 4, Hkv, D, n1, n2, W, torch.float32, "ragged", seed=6)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    want = decode_attention_reference(q.half().float(), k8.float(), v8.float(), slots, l1, l2, ring, pos0,
+                                      n1=n1, n2=n2)
+    for splits in (1, 3):
+        got = da.decode_attention(q.half(), k8, v8, slots, l1, l2, ring, pos0, n1=n1, n2=n2, impl="triton",
+                                  num_splits=splits)
+        over_half = da.decode_attention(q.half(), k8.half(), v8.half(), slots, l1, l2, ring, pos0, n1=n1, n2=n2,
+                                        impl="triton", num_splits=splits)
+        assert got.dtype == torch.float16 and torch.equal(got, over_half)
+        torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)

@@ -312,7 +312,7 @@ class DialogEngine:
             return text, speak, self.cache.steps[slots]
         for s in slots:
             self._check_slot(s)
-        listen = torch.as_tensor(listen_codes, dtype=torch.long).reshape(len(slots), -1)
+        listen = torch.as_tensor(listen_codes, dtype=torch.long).cpu().reshape(len(slots), -1)  # checked on the host
         n_listen = self.lm.num_codebooks - self.lm.dep_q - 1
         if listen.shape[1] != n_listen or len(set(slots)) != len(slots):
             raise ValueError(f"listen_codes must be [{len(slots)}, {n_listen}] for distinct slots")
