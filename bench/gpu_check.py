@@ -16,10 +16,13 @@ CI keeps the script from rotting):
   dialog_fp8  the same at B = 64 with the fp8 KV cache;
   mimi     full-size Mimi encode + decode per 80 ms tick for B streams (MimiStreamPool, random weights,
            CUDA graphs);
+  finetune `egomem finetune`'s training loop on CUDA: the tiny preset fully fine-tuned in bf16 on a
+           synthetic memorisation set (the loss must fall; the checkpoint serves from the engine on CUDA),
+           and three LoRA steps at Moshi-7B shape with gradient checkpointing (s/step, peak memory);
   served   bench/bench_orchestrator.py (the whole served stack, GPU instances) at the largest B the
            dialog part found real-time (capped by --served-max).
 
-    python bench/gpu_check.py                # on the GPU machine: ~6-8 min on an H100/H200
+    python bench/gpu_check.py                # on the GPU machine: a few minutes on an H100/H200
     python bench/gpu_check.py --cpu-smoke    # anywhere, ~2 min: tiny shapes, CPU, same code paths
     python bench/gpu_check.py --parts kernels,dialog
 
@@ -44,7 +47,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "gpu"
-PARTS = ("parity", "kernels", "dialog", "dialog_fp8", "mimi", "served")
+PARTS = ("parity", "kernels", "dialog", "dialog_fp8", "mimi", "finetune", "served")
 PENDING: list[str] = []  # parts of issue #17 this script cannot measure yet
 
 
@@ -285,6 +288,95 @@ def mimi_part(out: Path, smoke: bool, batches: list[int], steps: int) -> dict:
     return result
 
 
+# ---------------------------------------------------------------------------------------------- finetune
+
+
+class _MemoryData:
+    """`finetune.DataSource` in memory: rows whose reply names the person their L1 MemChunk holds."""
+
+    def __init__(self, rows: int, steps: int, card: int, seed: int = 0):
+        from egomem.dialog.tokenizer import ByteTokenizer
+        from egomem.training.types import Sample, Span
+
+        tok, g = ByteTokenizer(), np.random.default_rng(seed)
+        self.manifest = {"format": "egomem-memchunk-v1", "n1": 512, "n2": 256, "tokenizer": "byte",
+                         "codec": "gpu_check", "seed": seed}
+        self.samples, self.streams = [], {}
+        for i in range(rows):
+            name = "".join(chr(c) for c in g.integers(97, 123, 6)).title()
+            ids = tok.encode(f"Hi {name}!")
+            at = int(g.integers(8, steps - len(ids) - 4))
+            tokens = np.empty((17, steps), dtype=np.int64)
+            tokens[0] = tok.pad_id
+            tokens[0, at:at + len(ids)] = ids
+            tokens[1:] = g.integers(0, card, (16, steps))
+            self.streams[f"s{i}"] = tokens
+            self.samples.append(Sample(stream=f"s{i}", kind="l1_response", l1_text=f"name: {name}", l2_text="",
+                                       text=(Span(at - 2, at + len(ids) + 1),), speak=(Span(at, at + len(ids)),),
+                                       dialog=0, turn=0, generator="gpu_check"))
+
+    def tokens(self, stream_id: str) -> np.ndarray:
+        return self.streams[stream_id]
+
+    def conversation_starts(self, stream_id: str) -> list[int]:
+        return [0]
+
+
+def finetune_part(out: Path, smoke: bool) -> dict:
+    """The tiny preset fully fine-tuned (bf16 on CUDA) and LoRA steps at 7B shape; see the module docstring."""
+    import tempfile
+
+    import torch
+
+    from egomem.dialog import DialogEngine
+    from egomem.dialog.checkpoint import build_lm
+    from egomem.training.finetune import TrainConfig, train
+
+    dev = "cpu" if smoke else "cuda"
+    dtype = "float32" if smoke else "bfloat16"
+    result: dict = {"device": dev, "dtype": dtype}
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = 12 if smoke else 80
+        data = _MemoryData(rows=8, steps=96, card=2048)
+        cfg = TrainConfig(data=None, out=Path(tmp) / "tiny", preset="tiny", steps=steps, batch_size=4, lr=3e-3,
+                          min_lr=3e-4, device=dev, dtype=dtype, eval_samples=8, ckpt_every=steps, seed=0)
+        t = time.perf_counter()
+        res = train(cfg, data, progress=False)
+        seconds = time.perf_counter() - t
+        lm = build_lm("tiny", weights=res.path, device=dev, dtype=getattr(torch, dtype))
+        eng = DialogEngine(lm, max_streams=2)
+        slot = eng.open()
+        eng.write_memchunk(slot, 1, list(b"name: Ada"))
+        for _ in range(4):  # the checkpoint serves: the engine ticks on it
+            eng.tick([slot], torch.zeros(1, 8, dtype=torch.long))
+        result["tiny"] = {"steps": steps, "seconds": round(seconds, 2), "s_per_step": seconds / steps,
+                          "first_loss": res.losses[0], "final_loss": float(np.mean(res.losses[-5:])),
+                          "served_ticks": int(eng.steps(slot))}
+        result["tiny"]["ok"] = result["tiny"]["final_loss"] < 0.7 * result["tiny"]["first_loss"] \
+            and result["tiny"]["served_ticks"] == 4
+        # LoRA at Moshi-7B shape (smoke: a narrow 2-layer stand-in), gradient checkpointing, 3 steps
+        shape = {"text_card": 260} | ({"dim": 256, "num_heads": 4, "num_layers": 2, "depformer_dim": 128,
+                                       "depformer_dim_feedforward": 528, "depformer_num_heads": 2,
+                                       "depformer_num_layers": 2} if smoke else {})
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        cfg = TrainConfig(data=None, out=Path(tmp) / "lora", preset="7b", model_overrides=shape, steps=100,
+                          stop_after=3, batch_size=1, lr=2e-6, min_lr=2e-7, lora=True, gradient_checkpointing=True,
+                          dialog_steps=256, device=dev, dtype=dtype, eval_samples=2, seed=0)
+        t = time.perf_counter()
+        res = train(cfg, _MemoryData(rows=2, steps=256, card=2048), progress=False)
+        seconds = time.perf_counter() - t
+        result["lora_7b"] = {"shape": "7b" + (" (narrow stand-in)" if smoke else ""), "steps": res.step,
+                             "seconds_incl_build": round(seconds, 2), "losses": res.losses,
+                             "rows": "1 x (768 chunk + 256 dialog) steps",
+                             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
+        result["lora_7b"]["ok"] = res.step == 3 and all(np.isfinite(res.losses))
+    result["ok"] = result["tiny"]["ok"] and result["lora_7b"]["ok"]
+    print(json.dumps(result, indent=1), flush=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
 # ---------------------------------------------------------------------------------------------- driver
 
 
@@ -351,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if args._part == "parity":
         return 0 if parity_part(args._out, args.cpu_smoke)["ok"] else 1
+    if args._part == "finetune":
+        return 0 if finetune_part(args._out, args.cpu_smoke)["ok"] else 1
     if args._part == "kernels":
         return 0 if kernels_part(args._out, args.cpu_smoke)["ok"] else 1
     if args._part == "mimi":
@@ -367,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("no CUDA device visible: run this on the GPU machine, or pass --cpu-smoke")
     out_dir = args.out_dir or (RESULTS / "smoke" if args.cpu_smoke else RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)
-    limits = {"parity": 60, "kernels": 90, "dialog": 240, "dialog_fp8": 90, "mimi": 90, "served": 150}
+    limits = {"parity": 60, "kernels": 90, "dialog": 240, "dialog_fp8": 90, "mimi": 90, "finetune": 150, "served": 150}
     t0 = time.time()
     records, served_streams = [], 1
     for name in parts:

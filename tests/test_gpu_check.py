@@ -17,7 +17,7 @@ def test_gpu_check_cpu_smoke_runs_every_part(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["cpu_smoke"] and [p["part"] for p in summary["parts"]] == ["parity", "kernels", "dialog", "dialog_fp8", "mimi", "served"]
+    assert summary["cpu_smoke"] and [p["part"] for p in summary["parts"]] == ["parity", "kernels", "dialog", "dialog_fp8", "mimi", "finetune", "served"]
     assert all(p["status"] == "ok" for p in summary["parts"]) and summary["pending"] == []
     parity = json.loads((tmp_path / "parity.json").read_text())
     assert parity["ok"] and parity["fixed_vs_narrow_token_agreement"] == 1.0 and parity["fixed_vs_narrow_tokens"] > 0
@@ -31,6 +31,9 @@ def test_gpu_check_cpu_smoke_runs_every_part(tmp_path):
     assert dialog["refresh"]["l1_refresh_ms"] > 0
     mimi = json.loads((tmp_path / "mimi.json").read_text())
     assert [r["B"] for r in mimi["rows"]] == [1, 2] and all(r["p50_ms"] > 0 for r in mimi["rows"])
+    finetune = json.loads((tmp_path / "finetune.json").read_text())
+    assert finetune["tiny"]["final_loss"] < 0.7 * finetune["tiny"]["first_loss"] and finetune["tiny"]["served_ticks"] == 4
+    assert finetune["lora_7b"]["steps"] == 3
     assert (tmp_path / "served.json").is_file()
 
 
