@@ -28,7 +28,9 @@ two users apart across a short pause (voice only). Segmenters per condition:
 Two more conditions, clean and noised streams of `trigger.max_chunk_steps` (8,192) steps (the chunk
 the memory worker labels; `--long-streams` each), compare windowed labelling with one pass.
 Each also gets an error breakdown of the gold sessions at span_match@5: matched / merged (one
-predicted span covers two gold sessions) / split / shifted / missed.
+predicted span covers two gold sessions) / split / shifted / missed; in the noised conditions the
+trigger's metrics also come per kind of background noise on the listen row (`by_background`:
+white, pink, brown, babble, music, recorded).
 Speed: seconds to label one 8,192-step chunk (paper: 0.08 s on an H100), median of `--repeats`,
 windowed and in one pass.
 
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             out["trigger_codes_only"] = []
         if peer is not None:
             out["peer_trigger"] = []
-        golds, polls = [], 0
+        golds, polls, backgrounds = [], 0, []
         for _ in range(args.streams):
             s = synth_recorded(cache, rng, cspec, noised=noised)  # draws what synth_stream draws: same streams
             voices = poll_voices(cache, s)
@@ -167,9 +169,15 @@ def main(argv: list[str] | None = None) -> dict:
             if peer is not None:
                 out["peer_trigger"].append(decode_sessions(peer.label(s.tokens, voices)))
             golds.append(s.sessions)
+            backgrounds.append(s.background)
         results["metrics"][cond] = {k: evaluate(v, golds) | {"errors@5": error_breakdown(v, golds, 5)}
                                     for k, v in out.items()}
         results["metrics"][cond]["trigger+split"]["voice_polls"] = polls
+        if noised:  # the trigger alone per kind of background noise (synth.noise_clip_kind)
+            results["metrics"][cond]["trigger"]["by_background"] = {
+                kind: evaluate([p for p, b in zip(out["trigger"], backgrounds) if b == kind],
+                               [g for g, b in zip(golds, backgrounds) if b == kind])
+                for kind in sorted(set(backgrounds))}
     for i, (cond, (cspec, noised)) in enumerate(long_conditions.items()):
         rng = np.random.default_rng([args.seed, 20 + i])
         out = {"trigger": [], "trigger_one_pass": [], "activity_peer": []}
@@ -226,6 +234,9 @@ def _print_table(r: dict) -> None:
             e = m["errors@5"]
             errs = "/".join(str(e[k]) for k in ("matched", "merged", "split", "shifted", "missed"))
             print(f"{cond:20} {name:19} {m['jaccard']:8.3f} {cells}  {errs}")
+            for kind, k in m.get("by_background", {}).items():
+                print(f"{'':20}   {kind + ' (' + str(k['streams']) + ')':17} {k['jaccard']:8.3f} " + " ".join(
+                    f"F1@{n} {k[f'span_match@{n}']['f1']:.3f}".rjust(20) for n in (0, 5, 10)))
     print("shipped bar (Jaccard, F1@5):", ", ".join(
         f"{c} {b['jaccard']}/{b['f1@5']} {'met' if r['meets_bar'][c] else 'MISSED'}" for c, b in r["bar"].items()))
     s = r["label_8192_steps_s"]

@@ -36,6 +36,27 @@ def test_synthetic_streams_are_consistent(cache):
     assert n_sessions >= 20
 
 
+def test_a_noised_stream_names_its_background_and_draws_what_it_drew_before(cache):
+    """`SynthStream.background` is the kind of the noise clip under the listen row (bench_trigger reports
+    the trigger per kind); recording it leaves the draws, and so every benchmark's streams, unchanged."""
+    from egomem.trigger.noise import KINDS
+    from egomem.trigger.synth import _fill, noise_clip_kind, synth_recorded
+
+    kinds = set()
+    for seed in range(12):
+        s = synth_recorded(cache, np.random.default_rng(seed), StreamSpec(steps=256), noised=True)
+        kinds.add(s.background)
+        rng = np.random.default_rng(seed)  # the clip the stream drew: the first draw, then its tiling
+        clip = int(rng.integers(len(cache.noise)))
+        assert s.background == noise_clip_kind(clip) and s.background in KINDS
+        background = _fill(rng, cache.noise[clip], 256)
+        quiet = s.speaker < 0  # no user speech there: the listen row is the background (or an echo)
+        assert (s.tokens[quiet, 9:] == background[quiet]).mean() > 0.5
+    assert len(kinds) >= 3
+    clean = synth_recorded(cache, np.random.default_rng(0), StreamSpec(steps=256), noised=False)
+    assert clean.background is None
+
+
 def test_short_training_run_lowers_the_loss(cache):
     torch.set_num_threads(1)
     model = make_model(TINY, seed=0)

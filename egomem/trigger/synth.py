@@ -259,6 +259,13 @@ def voice_partials(encoder, x24k: np.ndarray) -> np.ndarray:
     return np.stack(rows).astype(np.uint8)  # [P, D]
 
 
+def noise_clip_kind(i: int) -> str:
+    """The kind (noise.KINDS) of `noise_clips`' clip i: the kinds take turns."""
+    from egomem.trigger.noise import KINDS
+
+    return KINDS[i % len(KINDS)]
+
+
 def noise_clips(codec, split: str, seed: int, babble: list[np.ndarray]) -> list[np.ndarray]:
     """Codes of background-noise clips (10 s each, every kind of `noise.KINDS` in turn, levels varied,
     own seeded stream; babble from `babble`, the split's own speech).
@@ -266,11 +273,11 @@ def noise_clips(codec, split: str, seed: int, babble: list[np.ndarray]) -> list[
     Many clips (`NOISE_CLIPS`: 144 train / 12 held out): with few, a trigger memorises the noise codes
     and takes unseen noise for speech."""
     from egomem.trigger.codec import encode
-    from egomem.trigger.noise import KINDS, background
+    from egomem.trigger.noise import background
 
     rng = np.random.default_rng([seed, 0 if split == "train" else 1, 1])
     n = NOISE_CLIPS[split]
-    return [encode(codec, background(rng, 24_000 * 10, babble, kind=KINDS[i % len(KINDS)])
+    return [encode(codec, background(rng, 24_000 * 10, babble, kind=noise_clip_kind(i))
                    * 10 ** rng.uniform(-2.5, -1.3)) for i in range(n)]
 
 
@@ -360,6 +367,7 @@ class SynthStream:
     speaker: np.ndarray  # [T] int64: cache.users index whose speech is on the listen channel, -1 none
     speaker_pos: np.ndarray  # [T] int64: that utterance's step there, -1 none
     noised: bool
+    background: str | None = None  # noised: the kind of the listen row's background clip (noise.KINDS)
 
 
 def synth_stream(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, noised: bool
@@ -374,7 +382,8 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
     T = spec.steps
     u = lambda r: rng.uniform(*r)  # noqa: E731
     lines = monologue_lines(cache.split)
-    listen_bg = _fill(rng, cache.noise[rng.integers(len(cache.noise))] if noised else cache.silence, T)
+    clip = int(rng.integers(len(cache.noise))) if noised else None
+    listen_bg = _fill(rng, cache.noise[clip] if clip is not None else cache.silence, T)
     listen = listen_bg.copy()
     user_mask = np.zeros(T, bool)  # where the user's own speech was written
     speaker = np.full(T, -1, np.int64)
@@ -450,7 +459,8 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
         if t >= T - _steps(spec.turn_s[0]) * 2:
             break
     tokens = np.concatenate([text[:, None], speak.astype(np.int64), listen.astype(np.int64)], axis=1)  # [T,17]
-    return SynthStream(tokens, labels, sessions, session_users, speaker, speaker_pos, noised)
+    return SynthStream(tokens, labels, sessions, session_users, speaker, speaker_pos, noised,
+                       noise_clip_kind(clip) if clip is not None else None)
 
 
 def _user_codes(rng: np.random.Generator, src: dict[str, np.ndarray], noised: bool) -> np.ndarray:
