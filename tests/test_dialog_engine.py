@@ -17,6 +17,7 @@ from moshi.utils.compile import no_compile
 from egomem.dialog import DialogEngine, NoFreeSlotError
 from egomem.dialog.checkpoint import build_lm
 from egomem.dialog.engine import sample_text
+from egomem.dialog.kv_cache import KVCacheTooLarge, check_fits
 
 TINY = dict(dim=64, num_heads=2, num_layers=2, card=32, text_card=40, context=32, depformer_dim=32,
             depformer_dim_feedforward=64, depformer_num_heads=2, depformer_num_layers=1)
@@ -462,3 +463,16 @@ def test_an_fp8_kv_cache_keeps_the_logits_close(lm):
     assert same >= 3, same
     rel = torch.stack([(fp8[t] - full[t]).abs().max() / full[t].std() for t in range(same)])
     assert (rel > 0).all() and (rel < 0.1).all(), rel  # fp8 differs (it is not silently fp32) but stays close
+
+
+def test_a_kv_cache_too_large_for_its_device_says_what_to_change():
+    """At Moshi-7B shape (32 layers, 32 KV heads, 3,000 steps, head dim 128) a bf16 slot holds 1.46 GiB of K
+    and V: 128 slots need 188 GiB, more than an H200 holds; the error names the slots that fit and the knobs."""
+    shape = (32, 128, 32, 3000, 128)
+    check_fits(shape, torch.bfloat16, 200 * 2**30, "cuda:0")  # fits: no error
+    with pytest.raises(KVCacheTooLarge) as e:
+        check_fits(shape, torch.bfloat16, 120 * 2**30, "cuda:0")
+    msg = str(e.value)
+    assert "187.5 GiB" in msg and "1.46 GiB" in msg and "at most 81 fit" in msg
+    assert "dialog.max_streams" in msg and 'kv_cache_dtype = "fp8"' in msg and "dialog.ring_steps" in msg
+    check_fits(shape, torch.float8_e4m3fn, 120 * 2**30, "cuda:0")  # fp8: half the bytes, 94 GiB fit

@@ -37,6 +37,28 @@ def _kernels():
     return decode_attention, memchunk_write
 
 
+class KVCacheTooLarge(RuntimeError):
+    """The KV cache asked for does not fit on its device (the message says what to change)."""
+
+
+def check_fits(shape: tuple[int, ...], dtype: torch.dtype, free_bytes: int, device: str) -> None:
+    """Raise KVCacheTooLarge when K and V of `shape` `[L, S, Hkv, T, D]` need more than `free_bytes`.
+
+    At Moshi-7B shape a 3,000-step bf16 cache holds 1.46 GiB per stream slot, so `dialog.max_streams`
+    decides whether the engine fits at all (an H200: ~85 slots beside the weights)."""
+    L, S, Hkv, T, D = shape
+    per_slot = 2 * L * Hkv * T * D * torch.empty(0, dtype=dtype).element_size()
+    if per_slot * S <= free_bytes:
+        return
+    gib = 2**30
+    raise KVCacheTooLarge(
+        f"the dialog KV cache needs {per_slot * S / gib:.1f} GiB ({S} stream slots x {per_slot / gib:.2f} GiB: "
+        f"{L} layers x {Hkv} KV heads x {T} steps x {D} x K and V in {str(dtype).removeprefix('torch.')}), more than "
+        f"the {free_bytes / gib:.1f} GiB free on {device}: lower dialog.max_streams (at most "
+        f"{free_bytes // per_slot} fit), set dialog.kv_cache_dtype = \"fp8\" (half of bf16's bytes), or shorten "
+        f"dialog.ring_steps")
+
+
 class MemChunkKVCache:
     """K/V buffers `[L, S, Hkv, N1 + N2 + W, D]` plus per-slot dialog step counts `steps` `[S]`, kept on the
     cache's device so a tick computes every position there (no host sync: CUDA-graph capturable)."""
@@ -47,6 +69,8 @@ class MemChunkKVCache:
         self.n1, self.n2, self.ring = n1, n2, ring
         self.impl: Impl = impl
         shape = (num_layers, num_slots, num_kv_heads, n1 + n2 + ring, head_dim)
+        if torch.device(device).type == "cuda":  # a clear error before the allocation fails half-way
+            check_fits(shape, dtype, torch.cuda.mem_get_info(device)[0], str(device))
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.steps = torch.zeros(num_slots, device=device, dtype=torch.int64)  # dialog steps written so far
