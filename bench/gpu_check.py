@@ -124,14 +124,15 @@ def kernels_part(out: Path, smoke: bool) -> dict:
                 decode_attention(*call_args, n1=n1, n2=n2, impl="triton", num_splits=splits)
             torch.cuda.synchronize()
             per_call = (time.perf_counter() - t) / 20
+            read = 2 * kr.numel() * kr.element_size()  # bytes of K and V one call reads
             key = f"decode_attention_7b_b{rows}_{str(cache_dtype).removeprefix('torch.')}_splits{splits or 'auto'}"
             result[key + "_ms"] = per_call * 1e3
-            result[key + "_gb_s"] = 2 * kr.numel() * kr.element_size() / per_call / 1e9
+            result[key + "_gb_s"] = read / per_call / 1e9
             try:  # as the engine runs it: replayed from a CUDA graph, no host launch cost per call
                 per_replay = _graph_ms(lambda args=call_args, s=splits: decode_attention(
                     *args, n1=n1, n2=n2, impl="triton", num_splits=s))
                 result[key + "_graph_ms"] = per_replay
-                result[key + "_graph_gb_s"] = 2 * kr.numel() * kr.element_size() / (per_replay / 1e3) / 1e9
+                result[key + "_graph_gb_s"] = read / (per_replay / 1e3) / 1e9
             except Exception as e:  # noqa: BLE001 -- recorded, not fatal: the eager figures above stand
                 result[key + "_graph_error"] = f"{type(e).__name__}: {e}"[:300]
     out.write_text(json.dumps(result, indent=1))
@@ -317,9 +318,6 @@ class _MemoryData:
 
     def tokens(self, stream_id: str) -> np.ndarray:
         return self.streams[stream_id]
-
-    def conversation_starts(self, stream_id: str) -> list[int]:
-        return [0]
 
 
 def finetune_part(out: Path, smoke: bool) -> dict:

@@ -47,7 +47,7 @@ def check_fits(shape: tuple[int, ...], dtype: torch.dtype, free_bytes: int, devi
     At Moshi-7B shape a 3,000-step bf16 cache holds 1.46 GiB per stream slot, so `dialog.max_streams`
     decides whether the engine fits at all (an H200: ~85 slots beside the weights)."""
     L, S, Hkv, T, D = shape
-    per_slot = 2 * L * Hkv * T * D * torch.empty(0, dtype=dtype).element_size()
+    per_slot = 2 * L * Hkv * T * D * dtype.itemsize
     if per_slot * S <= free_bytes:
         return
     gib = 2**30
