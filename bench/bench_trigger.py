@@ -5,13 +5,16 @@ spans and span_match@{0,5,10} precision/recall/F1 over `--streams` held-out stre
 (clean, noised), built from held-out users' and assistant utterances (egomem.trigger.synth).
 A third condition, clean streams without user switches, shows how much of the error is telling
 two users apart across a short pause (voice only). Segmenters per condition:
-  - trigger: the shipped tagger alone, decoded as the labeler decodes (`trigger.short_gap_cost`); a
+  - trigger: the shipped tagger alone, decoded as the labeler decodes (`trigger.short_gap_cost`, boundaries
+    refined within `trigger.boundary_window_steps`); a
     tagger trained with the voice track (`voice_dim` > 0) reads the stream's recorded voice polls
     (below), as the memory manager hands them to it;
   - trigger_codes_only (a tagger that reads the voice track): the same tagger with the track withheld
     (a chunk recorded without a speaker encoder);
   - trigger_hard_gap: the same log-probabilities decoded with the hard gap rule (sessions adjacent
     or >= `trigger.min_gap_steps` apart, `short_gap_cost = inf`), the decoding shipped before;
+  - trigger_no_refine: the same log-probabilities with each boundary where the Viterbi path put
+    it (`boundary_window_steps = 0`: no `decode.refine_boundaries`), the decoding shipped before that;
   - trigger+split: its sessions split where the person changes (egomem.trigger.identity_split) using
     the voice track the orchestrator would record (synth.poll_voices: a GE2E embedding of the user's
     last 3 s every 2 s, from real Resemblyzer partials cached with the codes), the identity config's
@@ -53,7 +56,7 @@ import torch
 from egomem.config import REPO_ROOT, IdentityConfig, OrchestratorConfig, TriggerConfig
 from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
 from egomem.trigger import TriggerLabeler, decode_sessions
-from egomem.trigger.decode import configured_viterbi
+from egomem.trigger.decode import configured_decode
 from egomem.trigger.identity_split import SplitRule, split_sessions
 from egomem.trigger.metrics import SHIPPED_BAR, error_breakdown, evaluate, meets_bar
 from egomem.trigger.synth import (
@@ -130,7 +133,9 @@ def main(argv: list[str] | None = None) -> dict:
                      "threads": torch.get_num_threads(), "streams_per_condition": args.streams,
                      "stream_steps": args.stream_steps,
                      "decoding": {"min_gap_steps": tcfg.min_gap_steps, "min_session_steps": tcfg.min_session_steps,
-                                  "short_gap_cost": tcfg.short_gap_cost}, "metrics": {}}
+                                  "short_gap_cost": tcfg.short_gap_cost,
+                                  "boundary_window_steps": tcfg.boundary_window_steps,
+                                  "boundary_search_steps": tcfg.boundary_search_steps}, "metrics": {}}
     no_switch = StreamSpec(steps=args.stream_steps, switch_p=0.0)
     conditions = {"clean": (spec, False), "noised": (spec, True), "clean_no_user_switch": (no_switch, False)}
     one_pass = TriggerLabeler(dataclasses.replace(tcfg, window_steps=tcfg.max_chunk_steps))  # peer: one window
@@ -145,8 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "window_steps": rule.window_steps, "cohort_rows": N_TRAIN_USERS}
     for i, (cond, (cspec, noised)) in enumerate(conditions.items()):
         rng = np.random.default_rng([args.seed, i])
-        out: dict[str, list] = {"trigger": [], "trigger_hard_gap": [], "trigger+split": [], "trigger+split_1poll": [],
-                                "activity_peer": []}
+        out: dict[str, list] = {"trigger": [], "trigger_hard_gap": [], "trigger_no_refine": [], "trigger+split": [],
+                                "trigger+split_1poll": [], "activity_peer": []}
         if labeler.reads_voices:
             out["trigger_codes_only"] = []
         if peer is not None:
@@ -157,8 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
             voices = poll_voices(cache, s)
             polls += len(voices)
             log_probs = labeler.log_probs(s.tokens, voices)
-            pred = decode_sessions(configured_viterbi(log_probs, tcfg))  # = labeler.label(s.tokens, voices)
-            out["trigger_hard_gap"].append(decode_sessions(configured_viterbi(log_probs, tcfg, math.inf)))
+            pred = decode_sessions(configured_decode(log_probs, tcfg))  # = labeler.label(s.tokens, voices)
+            out["trigger_hard_gap"].append(decode_sessions(configured_decode(log_probs, tcfg, math.inf)))
+            out["trigger_no_refine"].append(decode_sessions(configured_decode(log_probs, tcfg, boundary_window=0)))
             if labeler.reads_voices:
                 out["trigger_codes_only"].append(decode_sessions(labeler.label(s.tokens)))
             out["trigger"].append(pred)

@@ -171,3 +171,88 @@ def test_viterbi_short_gap_cost_lets_a_sure_tagger_place_a_short_gap():
     for cost in (0.0, 8.0, float("inf")):
         assert decode_sessions(viterbi_labels(logp(far, 0.9), min_gap=10, min_len=5, short_gap_cost=cost),
                                min_len=1) == [(1, 12), (25, 36)]
+
+
+def _spread(T: int, sessions: list[tuple[int, int]], starts: dict[int, float], ends: dict[int, float]) -> np.ndarray:
+    """Log-probabilities [T, 4] of a tagger sure of the sessions' insides but spreading each boundary's
+    probability as given ({step: p} for start / end labels); the rest of a step's mass on in/out."""
+    inside = np.zeros(T, bool)
+    for a, b in sessions:
+        inside[a:b + 1] = True
+    p = np.where(inside[:, None], [0.02, 0.0, 0.98, 0.0], [0.98, 0.0, 0.02, 0.0])
+    for col, marks in ((1, starts), (3, ends)):
+        for t, q in marks.items():
+            p[t] *= 1 - q
+            p[t, col] = q
+    return np.log(np.clip(p, 1e-6, None))
+
+
+def test_refine_boundaries_moves_a_late_start_to_where_the_start_probability_lies():
+    from egomem.trigger.decode import refine_boundaries
+
+    # the tagger spreads the start over steps 20-28 with its single highest step at 28 (what the Viterbi
+    # path picks): the window of +-3 steps holding the most start probability is centred on 23
+    starts = {20: 0.3, 21: 0.35, 22: 0.4, 23: 0.4, 24: 0.35, 25: 0.3, 26: 0.1, 27: 0.1, 28: 0.5}
+    lp = _spread(100, [(20, 70)], starts, {70: 0.9})
+    assert refine_boundaries([(28, 70)], lp, window=3, search=10, min_len=5) == [(23, 70)]
+    assert refine_boundaries([(28, 70)], lp, window=0, search=10, min_len=5) == [(28, 70)]  # off
+    assert refine_boundaries([(28, 70)], lp, window=3, search=2, min_len=5) == [(26, 70)]  # searched +-2 only
+    # a sharp boundary keeps its exact step (not the edge of its window's flat top)
+    sharp = _spread(100, [(20, 70)], {20: 0.9}, {70: 0.9})
+    assert refine_boundaries([(20, 70)], sharp, window=5, search=20, min_len=5) == [(20, 70)]
+    # a boundary moves only for a gain: here its window gains 1.17 of start probability
+    assert refine_boundaries([(28, 70)], lp, window=3, search=10, min_len=5, min_gain=1.0) == [(23, 70)]
+    assert refine_boundaries([(28, 70)], lp, window=3, search=10, min_len=5, min_gain=1.5) == [(28, 70)]
+    # a start the path placed on its peak, with a little mass after it: a small gain (0.28) moves it
+    # into that mass unless min_gain asks for more
+    lp_peak = _spread(100, [(20, 70)], {20: 0.6, 23: 0.2, 24: 0.2, 25: 0.2, 26: 0.2}, {70: 0.9})
+    assert refine_boundaries([(20, 70)], lp_peak, window=4, search=10, min_len=5)[0][0] > 20
+    assert refine_boundaries([(20, 70)], lp_peak, window=4, search=10, min_len=5, min_gain=0.5) == [(20, 70)]
+    # an end spread before the path's step is pulled back the same way: 64-70 holds 2.1, 63-69 1.6
+    lp = _spread(100, [(20, 70)], {20: 0.9}, {64: 0.3, 65: 0.35, 66: 0.4, 67: 0.35, 68: 0.1, 69: 0.1, 70: 0.5})
+    assert refine_boundaries([(20, 70)], lp, window=3, search=10, min_len=5) == [(20, 67)]
+
+
+def test_refine_boundaries_keeps_order_gaps_and_lengths():
+    from egomem.trigger.decode import refine_boundaries
+
+    # two adjacent sessions (a user switch at 40): the shared boundary moves as one, end at c - 1
+    starts = {10: 0.9, 33: 0.3, 34: 0.4, 35: 0.4, 36: 0.3, 40: 0.45}
+    lp = _spread(80, [(10, 60)], starts, {32: 0.3, 33: 0.4, 34: 0.4, 35: 0.3, 60: 0.9})
+    out = refine_boundaries([(10, 39), (40, 60)], lp, window=2, search=10, min_len=5)
+    assert out[0][1] + 1 == out[1][0] and 33 <= out[1][0] <= 36
+    # a start never moves onto the session before it (a gap of one step at least stays), nor past
+    # min_len before its own end; an end never reaches the next session
+    starts = {t: 0.5 for t in range(0, 30)}
+    lp = _spread(60, [(0, 10), (12, 40)], starts, {t: 0.5 for t in range(10, 60)})
+    out = refine_boundaries([(0, 10), (12, 40)], lp, window=3, search=20, min_len=8)
+    (a0, b0), (a1, b1) = out
+    assert a1 >= b0 + 2 and b0 - a0 + 1 >= 8 and b1 - a1 + 1 >= 8 and b1 <= 59
+    # whatever the probabilities, sessions stay sorted, apart or adjacent, and at least min_len long
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        lp = np.log(rng.dirichlet(np.ones(4) * 0.5, size=300))
+        from egomem.trigger.decode import viterbi_labels
+
+        path = decode_sessions(viterbi_labels(lp, min_gap=10, min_len=8, short_gap_cost=2.0), min_len=1)
+        out = refine_boundaries(path, lp, window=4, search=15, min_len=8)
+        assert len(out) == len(path)
+        assert all(b - a + 1 >= 8 for a, b in out) and all(0 <= a and b < 300 for a, b in out)
+        for (_, b), (a, _) in zip(out, out[1:]):
+            assert a == b + 1 or a >= b + 2
+
+
+def test_configured_decode_refines_within_the_configured_window():
+    from egomem.config import TriggerConfig
+    from egomem.trigger.decode import configured_decode, viterbi_labels
+
+    starts = {20: 0.3, 21: 0.35, 22: 0.4, 23: 0.4, 24: 0.35, 25: 0.3, 26: 0.1, 27: 0.1, 28: 0.5}
+    lp = _spread(100, [(28, 70)], starts, {70: 0.9})  # sure of the session from 28 on: the path starts there
+    cfg = TriggerConfig(min_gap_steps=10, min_session_steps=8, short_gap_cost=4.0, boundary_window_steps=3,
+                        boundary_search_steps=10)
+    path = viterbi_labels(lp, 10, 8, 4.0)
+    assert decode_sessions(path) == [(28, 70)]
+    assert decode_sessions(configured_decode(lp, cfg)) == [(23, 70)]
+    np.testing.assert_array_equal(configured_decode(lp, cfg, boundary_window=0), path)
+
+

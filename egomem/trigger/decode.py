@@ -15,6 +15,11 @@ makes mistakes, so decoding is a small state machine with these rules for broken
   R5 the chunk ends while a session is open: it closes at the last non-0 step (a session cut by
      the chunk boundary; the caller may stitch it to the next chunk).
   R6 sessions shorter than `min_len` steps are dropped (isolated label noise).
+
+The labeler does not decode the per-step argmax: `viterbi_labels` finds the most probable
+well-formed sequence under duration rules, and `refine_boundaries` then moves each of its
+boundaries to where the tagger's start (end) probability lies; `configured_decode` runs both as a
+`TriggerConfig` says.
 """
 
 from __future__ import annotations
@@ -172,8 +177,73 @@ def viterbi_labels(log_probs: np.ndarray, min_gap: int = 1, min_len: int = 2,
     return out
 
 
-def configured_viterbi(log_probs: np.ndarray, cfg: TriggerConfig, short_gap_cost: float | None = None) -> np.ndarray:
-    """`viterbi_labels` with a trigger config's decoding keys (`min_gap_steps`, `min_session_steps`,
-    `short_gap_cost` unless given): how the labeler decodes, for whoever holds only log-probabilities."""
+PEAK_WEIGHT = 0.3  # in `refine_boundaries`, a step's own probability counts this much more than its neighbours'
+
+
+def refine_boundaries(sessions: list[tuple[int, int]], log_probs: np.ndarray, window: int, search: int,
+                      min_len: int = 2, min_gain: float = 0.0) -> list[tuple[int, int]]:
+    """Move each decoded boundary to where the tagger puts the most start (end) probability within
+    +-`window` steps, looking up to `search` steps either side of where the Viterbi path put it, when
+    that window holds at least `min_gain` more of it than the window around the path's step.
+
+    Viterbi places a start on one step, the most probable under its path; over noise the tagger's
+    start probability spreads over a second or more around a user's first words (it hears them late),
+    and the path's step is often its late end. A boundary is right when the true one lies within a
+    few steps of it (span_match@5: 0.4 s), so the best place is the centre of the window holding the
+    most probability mass (plus `PEAK_WEIGHT` times the step's own, so a sharp peak keeps its exact
+    step over the flat top of its window). `min_gain` (a probability: the window's share of a start)
+    leaves a boundary the path placed well where it is, so exact boundaries stay exact. Sessions
+    keep their order, do not overlap and keep at least `min_len` steps; two adjacent sessions (a user
+    switch) move their shared boundary together, scored by the end mass before it plus the start mass
+    on it. `window` 0 returns `sessions` as given.
+    """
+    if window <= 0 or not sessions:
+        return list(sessions)
+    p = np.exp(np.asarray(log_probs, dtype=np.float64))  # T,4
+    T = p.shape[0]
+    box = np.ones(2 * window + 1)
+    start_score = np.convolve(p[:, START], box, mode="same") + PEAK_WEIGHT * p[:, START]  # T
+    end_score = np.convolve(p[:, END], box, mode="same") + PEAK_WEIGHT * p[:, END]  # T
+    out = [list(s) for s in sessions]
+
+    def best(lo: int, hi: int, score: np.ndarray, keep: int) -> int:
+        if lo > hi:
+            return keep
+        cand = np.arange(lo, hi + 1)
+        c = int(cand[score[cand].argmax()])
+        return c if score[c] > score[keep] + min_gain else keep
+
+    for i, (a, b) in enumerate(out):  # starts (and the shared boundary of adjacent sessions)
+        adjacent = i > 0 and out[i - 1][1] == a - 1
+        floor = out[i - 1][0] + min_len if adjacent else (out[i - 1][1] + 2 if i > 0 else 0)  # a gap stays a gap
+        lo, hi = max(floor, a - search), min(b - min_len + 1, a + search)
+        if adjacent:  # an end at c - 1 and a start at c
+            both = start_score + np.concatenate([[0.0], end_score[:-1]])
+            c = best(lo, hi, both, a)
+            out[i - 1][1], out[i][0] = c - 1, c
+        else:
+            out[i][0] = best(lo, hi, start_score, a)
+    for i, (a, b) in enumerate(out):  # ends not shared with a next session
+        nxt = out[i + 1][0] if i + 1 < len(out) else T
+        if nxt == b + 1:
+            continue
+        out[i][1] = best(max(a + min_len - 1, b - search), min(nxt - 2, b + search, T - 1), end_score, b)
+    return [(a, b) for a, b in out]
+
+
+def configured_decode(log_probs: np.ndarray, cfg: TriggerConfig, short_gap_cost: float | None = None,
+                      boundary_window: int | None = None, boundary_min_gain: float | None = None) -> np.ndarray:
+    """Per-step log-probabilities [T, 4] -> labels [T], decoded as the labeler decodes under a trigger
+    config: `viterbi_labels` with its gap rule (`min_gap_steps`, `short_gap_cost` unless given) and
+    minimum session length, then `refine_boundaries` (`boundary_window_steps` unless given, within
+    `boundary_search_steps`, moving by at least `boundary_min_gain`). For whoever holds only
+    log-probabilities (benchmarks, the trainer's eval)."""
     cost = cfg.short_gap_cost if short_gap_cost is None else short_gap_cost
-    return viterbi_labels(log_probs, cfg.min_gap_steps, cfg.min_session_steps, cost)
+    window = cfg.boundary_window_steps if boundary_window is None else boundary_window
+    labels = viterbi_labels(log_probs, cfg.min_gap_steps, cfg.min_session_steps, cost)
+    if window <= 0:
+        return labels
+    sessions = decode_sessions(labels, min_len=1)
+    gain = cfg.boundary_min_gain if boundary_min_gain is None else boundary_min_gain
+    refined = refine_boundaries(sessions, log_probs, window, cfg.boundary_search_steps, cfg.min_session_steps, gain)
+    return sessions_to_labels(refined, len(labels))

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from egomem.config import TriggerConfig
-from egomem.trigger.decode import configured_viterbi, decode_sessions
+from egomem.trigger.decode import configured_decode, decode_sessions
 from egomem.trigger.model import AUDIO_CARD, NUM_TOKENS, load_trigger
 from egomem.trigger.voice_track import Track, voice_features
 
@@ -113,11 +113,12 @@ class TriggerLabeler:
         The most probable well-formed sequence (`viterbi_labels`: sessions adjacent or at least
         `min_gap_steps` apart unless the tagger pays `short_gap_cost` for a shorter gap, none shorter
         than `min_session_steps`), not the per-step argmax: one stray start/end label would otherwise
-        split a session."""
+        split a session; then each boundary moved to where its probability lies (`refine_boundaries`,
+        `boundary_window_steps`)."""
         if np.asarray(tokens).shape[:1] == (0,):
             self.validate(tokens)
             return np.zeros(0, np.int64)
-        return configured_viterbi(self.log_probs(tokens, voices), self.cfg)
+        return configured_decode(self.log_probs(tokens, voices), self.cfg)
 
     def sessions(self, tokens: np.ndarray, voices: Track | None = None) -> list[tuple[int, int]]:
         """Dialog sessions (start step, end step inclusive) in a token chunk."""

@@ -97,9 +97,11 @@ def evaluate(preds: list[list[Span]], golds: list[list[Span]], ns: tuple[int, ..
 # The bar the shipped tiny checkpoint (trained on the shipped tiny codec's codes, issue #14) must reach
 # on held-out synthetic streams, per condition; checked by tests/test_trigger_checkpoint.py and
 # reported by bench/bench_trigger.py. Below the paper (Jaccard 0.99, F1@5 0.98). Measured with
-# bench_trigger (200 streams), Jaccard / F1@5: clean 0.990 / 0.888, noised 0.967 / 0.705; the test's 48
-# streams: clean 0.986 / 0.846, noised 0.970 / 0.722 (the trigger shipped before it, --code-aug-p 0.1
-# --drop-track-p 0.2: 0.987 / 0.878 and 0.954 / 0.641 on 200, 0.986 / 0.865 and 0.962 / 0.677 on 48).
+# bench_trigger (200 streams), Jaccard / F1@5, decoded as now (boundaries refined, decode.refine_boundaries):
+# clean 0.990 / 0.891, noised 0.965 / 0.718 (with the path's boundaries 0.990 / 0.888, 0.967 / 0.705); the
+# test's 48 streams: clean 0.986 / 0.852, noised 0.969 / 0.741 (0.986 / 0.846, 0.970 / 0.722). The trigger
+# shipped before it (--code-aug-p 0.1 --drop-track-p 0.2), path's boundaries: 0.987 / 0.878 and 0.954 / 0.641
+# on 200, 0.986 / 0.865 and 0.962 / 0.677 on 48.
 # Raised from 0.93 / 0.48 and 0.85 / 0.30 with the dim-128 trigger trained with dropout and code
 # augmentation (the dim-64 voice-track trigger before it, same decoding: 0.972 / 0.672 and 0.933 / 0.481
 # on the test's streams, which fails this bar).

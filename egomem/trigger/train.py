@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from egomem.config import REPO_ROOT, TriggerConfig, load_config
-from egomem.trigger.decode import configured_viterbi, decode_sessions
+from egomem.trigger.decode import configured_decode, decode_sessions
 from egomem.trigger.metrics import evaluate
 from egomem.trigger.model import TriggerModel, TriggerModelConfig, save_trigger
 from egomem.trigger.synth import (
@@ -136,7 +136,7 @@ def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noi
                    spec: StreamSpec | None = None, decoding: TriggerConfig | None = None,
                    voices: bool = True) -> dict:
     """span metrics on n held-out streams (seeded: the same streams for every model), decoded as the
-    labeler decodes (`configured_viterbi` with `decoding`'s gap rule and minimum session length).
+    labeler decodes (`configured_decode`: `decoding`'s gap rule, minimum session length and boundary refinement).
     A trigger that reads the voice track gets the streams' polls unless `voices` is False."""
     decoding = decoding or TriggerConfig()
     spec = spec or StreamSpec(steps=1024)
@@ -147,7 +147,7 @@ def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noi
         st = synth_recorded(cache, rng, spec, noised=noised)
         v = voices_of(model, cache, [st]) if voices else None
         log_probs = torch.log_softmax(model(torch.from_numpy(st.tokens)[None], v)[0], -1).numpy()  # T,4
-        preds.append(decode_sessions(configured_viterbi(log_probs, decoding)))
+        preds.append(decode_sessions(configured_decode(log_probs, decoding)))
         golds.append(st.sessions)
     return evaluate(preds, golds)
 
