@@ -120,7 +120,7 @@ def _plot(out: dict, cfg: TriggerConfig, path: Path) -> None:
     if str(cfg.short_gap_cost) in costs:
         ax.axvline(costs.index(str(cfg.short_gap_cost)), color="grey", ls=":", label=f"configured ({cfg.short_gap_cost})")
     ax.set_xticks(xs, costs)
-    ax.set_xlabel("trigger.short_gap_cost (log-probability a gap under min_gap_steps costs; boundaries as decoded)",
+    ax.set_xlabel("trigger.short_gap_cost (log-probability a gap under min_gap_steps costs; boundaries not refined)",
                   fontsize=8)
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
