@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "decoding": {"min_gap_steps": tcfg.min_gap_steps, "min_session_steps": tcfg.min_session_steps,
                                   "short_gap_cost": tcfg.short_gap_cost,
                                   "boundary_window_steps": tcfg.boundary_window_steps,
-                                  "boundary_search_steps": tcfg.boundary_search_steps}, "metrics": {}}
+                                  "boundary_search_steps": tcfg.boundary_search_steps,
+                                  "boundary_min_gain": tcfg.boundary_min_gain}, "metrics": {}}
     no_switch = StreamSpec(steps=args.stream_steps, switch_p=0.0)
     conditions = {"clean": (spec, False), "noised": (spec, True), "clean_no_user_switch": (no_switch, False)}
     one_pass = TriggerLabeler(dataclasses.replace(tcfg, window_steps=tcfg.max_chunk_steps))  # peer: one window

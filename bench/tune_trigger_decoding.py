@@ -83,11 +83,10 @@ def main(argv: list[str] | None = None) -> dict:
             r = windows[f"{w}/{g}"] = {cond: _score(lps, golds, cfg, cfg.short_gap_cost, w, g)
                                        for cond, (lps, golds) in logps.items()}
             r["mean_f1@5"] = float(np.mean([r["clean"]["f1@5"], r["noised"]["f1@5"]]))
+            r["mean_jaccard"] = float(np.mean([r["clean"]["jaccard"], r["noised"]["jaccard"]]))
             print(f"boundary_window_steps {w}, min_gain {g}: F1@5 clean {r['clean']['f1@5']:.3f} noised "
                   f"{r['noised']['f1@5']:.3f} (mean {r['mean_f1@5']:.3f}); F1@0 {r['clean']['f1@0']:.3f} / "
                   f"{r['noised']['f1@0']:.3f}; Jaccard {r['clean']['jaccard']:.4f} / {r['noised']['jaccard']:.4f}")
-    for r in windows.values():
-        r["mean_jaccard"] = float(np.mean([r["clean"]["jaccard"], r["noised"]["jaccard"]]))
     best_window = max(windows, key=lambda k: (windows[k]["mean_f1@5"], windows[k]["mean_jaccard"]))  # equals: Jaccard
     print(f"best on training streams: boundary_window_steps / min_gain = {best_window} at short_gap_cost "
           f"{cfg.short_gap_cost} (configured: {cfg.boundary_window_steps} / {cfg.boundary_min_gain}, searched "

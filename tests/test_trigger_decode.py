@@ -214,7 +214,7 @@ def test_refine_boundaries_moves_a_late_start_to_where_the_start_probability_lie
 
 
 def test_refine_boundaries_keeps_order_gaps_and_lengths():
-    from egomem.trigger.decode import refine_boundaries
+    from egomem.trigger.decode import refine_boundaries, viterbi_labels
 
     # two adjacent sessions (a user switch at 40): the shared boundary moves as one, end at c - 1
     starts = {10: 0.9, 33: 0.3, 34: 0.4, 35: 0.4, 36: 0.3, 40: 0.45}
@@ -232,8 +232,6 @@ def test_refine_boundaries_keeps_order_gaps_and_lengths():
     rng = np.random.default_rng(1)
     for _ in range(30):
         lp = np.log(rng.dirichlet(np.ones(4) * 0.5, size=300))
-        from egomem.trigger.decode import viterbi_labels
-
         path = decode_sessions(viterbi_labels(lp, min_gap=10, min_len=8, short_gap_cost=2.0), min_len=1)
         out = refine_boundaries(path, lp, window=4, search=15, min_len=8)
         assert len(out) == len(path)

@@ -204,6 +204,7 @@ def refine_boundaries(sessions: list[tuple[int, int]], log_probs: np.ndarray, wi
     box = np.ones(2 * window + 1)
     start_score = np.convolve(p[:, START], box, mode="same") + PEAK_WEIGHT * p[:, START]  # T
     end_score = np.convolve(p[:, END], box, mode="same") + PEAK_WEIGHT * p[:, END]  # T
+    switch_score = start_score + np.concatenate([[0.0], end_score[:-1]])  # T: an end at c - 1 and a start at c
     out = [list(s) for s in sessions]
 
     def best(lo: int, hi: int, score: np.ndarray, keep: int) -> int:
@@ -217,9 +218,8 @@ def refine_boundaries(sessions: list[tuple[int, int]], log_probs: np.ndarray, wi
         adjacent = i > 0 and out[i - 1][1] == a - 1
         floor = out[i - 1][0] + min_len if adjacent else (out[i - 1][1] + 2 if i > 0 else 0)  # a gap stays a gap
         lo, hi = max(floor, a - search), min(b - min_len + 1, a + search)
-        if adjacent:  # an end at c - 1 and a start at c
-            both = start_score + np.concatenate([[0.0], end_score[:-1]])
-            c = best(lo, hi, both, a)
+        if adjacent:
+            c = best(lo, hi, switch_score, a)
             out[i - 1][1], out[i][0] = c - 1, c
         else:
             out[i][0] = best(lo, hi, start_score, a)

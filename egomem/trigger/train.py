@@ -21,7 +21,9 @@ metadata names `--config runs/s35/wide.toml`: a file holding those three `[trigg
 not yet the defaults; the computation is the same.) Trainer's 48 held-out streams (decoded at
 short_gap_cost 12), Jaccard / F1@5: clean 0.992 / 0.887, noised 0.971 / 0.703, against 0.991 / 0.864
 and 0.945 / 0.608 for the trigger shipped before it (`--code-aug-p 0.1 --drop-track-p 0.2`), and
-0.982 / 0.766 and 0.932 / 0.481 for the dim-64 trigger without dropout and augmentation before that. Training: ≈30 min on a 2-core CPU (one torch thread, ~1.7 steps/s beside another job);
+0.982 / 0.766 and 0.932 / 0.481 for the dim-64 trigger without dropout and augmentation before that.
+(These figures were decoded with the Viterbi path's boundaries; the trainer now also refines them.)
+Training: ≈30 min on a 2-core CPU (one torch thread, ~1.7 steps/s beside another job);
 building the code cache the first time: ≈5 min idle (≈20 min shared).
 Rerunning the command after a kill resumes from `--ckpt-dir`.
 For real Mimi weights set `mimi.weights` in the config (`--config`) and run the same command.
@@ -136,7 +138,8 @@ def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noi
                    spec: StreamSpec | None = None, decoding: TriggerConfig | None = None,
                    voices: bool = True) -> dict:
     """span metrics on n held-out streams (seeded: the same streams for every model), decoded as the
-    labeler decodes (`configured_decode`: `decoding`'s gap rule, minimum session length and boundary refinement).
+    labeler decodes (`configured_decode`: `decoding`'s gap rule, minimum session length, boundary
+    refinement).
     A trigger that reads the voice track gets the streams' polls unless `voices` is False."""
     decoding = decoding or TriggerConfig()
     spec = spec or StreamSpec(steps=1024)
