@@ -2,7 +2,12 @@
 
 Metrics (EgoMem paper: Jaccard 0.99, span_match F1@5 0.98 on its own data): Jaccard of session
 spans and span_match@{0,5,10} precision/recall/F1 over `--streams` held-out streams per condition
-(clean, noised), built from held-out users' and assistant utterances (egomem.trigger.synth).
+(clean, noised), built from held-out users' and assistant utterances (egomem.trigger.synth). By default
+(`--listen audio`) each stream's listen row is laid out as audio (user speech, echo, and in a noised
+stream one background of any kind at 0-20 dB SNR) and encoded whole by the configured codec, as serving's
+`mimi_codec` encodes a live stream (egomem.trigger.listen_audio); `--listen codes` splices it from the
+code cache's per-utterance codes, the benchmark before (a trigger trained on spliced rows learnt the
+splice: held-out clean F1@5 0.891 spliced, 0.447 encoded whole).
 A third condition, clean streams without user switches, shows how much of the error is telling
 two users apart across a short pause (voice only). Segmenters per condition:
   - trigger: the shipped tagger alone, decoded as the labeler decodes (`trigger.short_gap_cost`, boundaries
@@ -70,6 +75,7 @@ from egomem.trigger.synth import (
 )
 
 DEFAULT_CACHE = REPO_ROOT / "tests" / "data" / "trigger" / "heldout_codes.npz"
+DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "speech"
 
 
 def activity_segmenter(tokens: np.ndarray, merge_gap: int = 38) -> list[tuple[int, int]]:
@@ -108,6 +114,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--peer-checkpoint", type=Path, default=None,
                    help="another trigger checkpoint to measure beside it (segmenter 'peer_trigger')")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="held-out code cache (.npz)")
+    p.add_argument("--listen", choices=["audio", "codes"], default="audio",
+                   help="audio: each stream's listen row laid out as audio and encoded whole by the codec, as "
+                        "serving's mimi_codec encodes a live stream (needs --data); codes: spliced from the "
+                        "cache's per-utterance codes (the benchmark before; no audio needed)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                   help="LibriSpeech root with cohort/ and test-other/ (the held-out sources' audio)")
     p.add_argument("--streams", type=int, default=200, help="held-out streams per condition")
     p.add_argument("--stream-steps", type=int, default=1024)
     p.add_argument("--long-streams", type=int, default=30,
@@ -128,7 +140,27 @@ def main(argv: list[str] | None = None) -> dict:
     if cache.fingerprint != labeler.meta.get("codec_fingerprint"):
         print(f"WARNING: cache codec {cache.fingerprint} != checkpoint codec {labeler.meta.get('codec_fingerprint')}")
     spec = StreamSpec(steps=args.stream_steps)
+    if args.listen == "audio":
+        from egomem.config import load_config
+        from egomem.trigger.codec import build_codec, codec_fingerprint
+        from egomem.trigger.listen_audio import SourceAudio, encode_listen
+
+        if not (args.data / "cohort").is_dir():
+            raise SystemExit(f"--listen audio needs the held-out sources' audio: {args.data}/cohort is missing; pass "
+                             f"--data <LibriSpeech root> or --listen codes")
+        codec = build_codec(load_config(None).mimi)
+        if codec_fingerprint(codec) != cache.fingerprint:
+            raise SystemExit(f"{args.cache} was encoded by another codec than the configured one")
+        audio = SourceAudio.load(args.data, "heldout")
+
+    def stream(rng: np.random.Generator, cspec: StreamSpec, noised: bool):
+        """One held-out stream as --listen says (the layout draws what synth_stream draws: same layouts)."""
+        if args.listen == "codes":
+            return synth_recorded(cache, rng, cspec, noised=noised)
+        return encode_listen(synth_recorded(cache, rng, cspec, noised=False), audio, codec, rng, noised)
+
     results: dict = {"checkpoint": str(labeler.checkpoint), "cache": str(args.cache), "device": args.device,
+                     "listen": args.listen,
                      "peer_checkpoint": str(peer.checkpoint) if peer else None,
                      "threads": torch.get_num_threads(), "streams_per_condition": args.streams,
                      "stream_steps": args.stream_steps,
@@ -159,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
             out["peer_trigger"] = []
         golds, polls, backgrounds = [], 0, []
         for _ in range(args.streams):
-            s = synth_recorded(cache, rng, cspec, noised=noised)  # draws what synth_stream draws: same streams
+            s = stream(rng, cspec, noised)
             voices = poll_voices(cache, s)
             polls += len(voices)
             log_probs = labeler.log_probs(s.tokens, voices)
@@ -180,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["metrics"][cond] = {k: evaluate(v, golds) | {"errors@5": error_breakdown(v, golds, 5)}
                                     for k, v in out.items()}
         results["metrics"][cond]["trigger+split"]["voice_polls"] = polls
-        if noised:  # the trigger alone per kind of background noise (synth.noise_clip_kind)
+        if noised:  # the trigger alone per kind of background noise (listen_audio's, or synth.noise_clip_kind)
             results["metrics"][cond]["trigger"]["by_background"] = {
                 kind: evaluate([p for p, b in zip(out["trigger"], backgrounds) if b == kind],
                                [g for g, b in zip(golds, backgrounds) if b == kind])
@@ -190,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         out = {"trigger": [], "trigger_one_pass": [], "activity_peer": []}
         golds = []
         for _ in range(args.long_streams):
-            s = synth_recorded(cache, rng, cspec, noised=noised)
+            s = stream(rng, cspec, noised)
             voices = poll_voices(cache, s)
             out["trigger"].append(decode_sessions(labeler.label(s.tokens, voices)))
             out["trigger_one_pass"].append(decode_sessions(one_pass.label(s.tokens, voices)))
@@ -276,7 +308,8 @@ def _plot(r: dict, path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"episodic trigger on held-out streams ({r['streams_per_condition']} per condition, "
+    rows = {"audio": "listen rows encoded whole", "codes": "listen rows spliced from codes"}.get(r.get("listen", "codes"))
+    fig.suptitle(f"episodic trigger on held-out streams, {rows} ({r['streams_per_condition']} per condition, "
                  f"{r.get('long_streams_per_condition', 0)} of 8,192 steps); 8,192 steps labelled in "
                  f"{r['label_8192_steps_s']['median']:.2f} s ({r['device']}, {r['threads']} thread(s))", fontsize=10)
     ax2 = axes[2]

@@ -9,7 +9,10 @@ trigger's training users (`egomem train-trigger`'s code cache), so the held-out 
 once per stream and decoded under every cost (boundaries as the Viterbi path puts them), then at the
 configured cost under every boundary window and minimum gain (`decode.refine_boundaries`; window 0 = off).
 
-    python bench/tune_trigger_decoding.py --cache runs/trigger_cache/trigger_codes_train_<key>.npz
+    python bench/tune_trigger_decoding.py --cache runs/trigger_cache/trigger_codes_train_<key>.npz \
+        --data ../shared/data/speech   # listen rows encoded whole from audio, as the shipped trigger trains
+
+(without --data the listen rows are spliced from the cache's codes, as the trigger shipped before trained).
 
 Writes bench/results/tune_trigger_decoding.json and .png (F1@5 and Jaccard against the cost and the window).
 """
@@ -28,6 +31,7 @@ from tqdm import tqdm
 from egomem.config import REPO_ROOT, TriggerConfig
 from egomem.trigger import TriggerLabeler, decode_sessions
 from egomem.trigger.decode import configured_decode
+from egomem.trigger.listen_audio import encode_listen
 from egomem.trigger.metrics import error_breakdown, evaluate
 from egomem.trigger.synth import CodeCache, StreamSpec, poll_voices, synth_recorded
 
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--checkpoint", type=Path, default=None, help="trigger checkpoint (default: the shipped one)")
     p.add_argument("--streams", type=int, default=100, help="streams per condition")
     p.add_argument("--seed", type=int, default=2024, help="stream seed (not one the trainer's batches use)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="LibriSpeech root: encode each stream's listen row whole from audio (egomem.trigger.listen_audio)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "tune_trigger_decoding.json")
     a = p.parse_args(argv)
@@ -58,6 +64,13 @@ def main(argv: list[str] | None = None) -> dict:
     cache = CodeCache.load(a.cache)
     if cache.split != "train":
         raise SystemExit(f"{a.cache} is the {cache.split!r} split: tune on the training split, report on held-out")
+    listen = None
+    if a.data is not None:
+        from egomem.config import load_config
+        from egomem.trigger.codec import build_codec
+        from egomem.trigger.listen_audio import SourceAudio
+
+        listen = (SourceAudio.load(a.data, "train"), build_codec(load_config(None).mimi))
     rows: dict = {}
     logps: dict = {}
     for noised in (False, True):
@@ -65,7 +78,10 @@ def main(argv: list[str] | None = None) -> dict:
         rng = np.random.default_rng([a.seed, int(noised)])
         lps, golds = [], []
         for _ in tqdm(range(a.streams), desc=f"{cond} streams", unit="stream"):
-            s = synth_recorded(cache, rng, StreamSpec(steps=1024), noised=noised)
+            if listen is None:
+                s = synth_recorded(cache, rng, StreamSpec(steps=1024), noised=noised)
+            else:
+                s = encode_listen(synth_recorded(cache, rng, StreamSpec(steps=1024), noised=False), *listen, rng, noised)
             lps.append(labeler.log_probs(s.tokens, poll_voices(cache, s)))  # the track, as the manager hands it
             golds.append(s.sessions)
         logps[cond] = (lps, golds)
@@ -91,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"best on training streams: boundary_window_steps / min_gain = {best_window} at short_gap_cost "
           f"{cfg.short_gap_cost} (configured: {cfg.boundary_window_steps} / {cfg.boundary_min_gain}, searched "
           f"+-{cfg.boundary_search_steps} steps)")
-    out = {"cache": str(a.cache), "checkpoint": str(labeler.checkpoint), "streams_per_condition": a.streams,
+    out = {"cache": str(a.cache), "listen": "audio" if listen else "codes", "checkpoint": str(labeler.checkpoint), "streams_per_condition": a.streams,
            "seed": a.seed, "min_gap_steps": cfg.min_gap_steps, "min_session_steps": cfg.min_session_steps,
            "costs": rows, "best": best, "boundary_search_steps": cfg.boundary_search_steps,
            "boundary_windows": windows, "best_boundary_window_and_gain": best_window}

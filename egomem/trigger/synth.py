@@ -18,7 +18,11 @@ Gold labels per step: 0 no dialog, 1 session start, 2 in session, 3 session end.
 
 Audio: LibriSpeech utterances (users: `cohort/`, one speaker each; assistant voices: `test-other/`).
 Every source is encoded by the project's Mimi ONCE (`build_cache`) and a stream is cut from the
-cached code sequences (encoding each synthetic stream's audio would cost ~100x more on 2 cores):
+cached code sequences (encoding each synthetic stream's audio would cost ~100x more on 2 cores).
+A listen row cut this way is a splice that serving never sees (the codes of silence after speech
+differ when the codec encodes the whole stream): the trigger now trains and is measured on rows laid
+out as audio and encoded whole (`egomem.trigger.listen_audio`); the layouts, the speak row, the text
+and the voice partials still come from here. The spliced row:
   - noise: mixed in the AUDIO domain per cached utterance (SNR 0-20 dB) and encoded as a second
     variant; noise-only clips fill silences of noised streams. Kinds (`egomem.trigger.noise`):
     white/pink/brown, babble of the split's own speakers, music-like, recorded room tone;
@@ -368,6 +372,8 @@ class SynthStream:
     speaker_pos: np.ndarray  # [T] int64: that utterance's step there, -1 none
     noised: bool
     background: str | None = None  # noised: the kind of the listen row's background clip (noise.KINDS)
+    # the assistant's echo on the listen row: (cache.assistant index, its first utterance step, stream step, steps)
+    echoes: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def synth_stream(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, noised: bool
@@ -393,6 +399,7 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
     text = np.full(T, TEXT_PAD, np.int64)
     labels = np.full(T, NO_DIALOG, np.int64)
     sessions: list[tuple[int, int]] = []
+    echoes: list[tuple[int, int, int, int]] = []
     t = _steps(u((0.0, 8.0)))
     user = int(rng.integers(len(cache.users)))
     while True:
@@ -409,9 +416,10 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
             who = 1 - who
         placed = []
         for who, a, n in plan:
-            src = cache.users[user] if who == 0 else cache.assistant[rng.integers(len(cache.assistant))]
+            k = user if who == 0 else int(rng.integers(len(cache.assistant)))
+            src = cache.users[k] if who == 0 else cache.assistant[k]
             lo, hi = _slice(rng, src["vad"], n)
-            placed.append([who, a, a + (hi - lo), lo, hi, src])
+            placed.append([who, a, a + (hi - lo), lo, hi, src, k])
         for cur, nxt in zip(placed, placed[1:]):  # the user cuts into the model's reply: the model stops
             if cur[0] == 1 and nxt[0] == 0 and nxt[1] < cur[2]:
                 cur[4] = cur[3] + (nxt[1] - cur[1])
@@ -420,7 +428,7 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
         s_end = max(p[2] for p in placed) - 1
         if s_end >= T - 1:
             break  # the session would not end inside the stream: stop here, rest is no dialog
-        for i, (who, a, b, lo, hi, src) in enumerate(placed):
+        for i, (who, a, b, lo, hi, src, _) in enumerate(placed):
             if who == 0:
                 listen[a:b] = _user_codes(rng, src, noised)[lo:hi]
                 user_mask[a:b] = True
@@ -436,7 +444,7 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
                     q0 = t0 - int(rng.integers(spec.retrieval_wait[0], spec.retrieval_wait[1] + 1)) - len(query)
                     q = query[max(0, s_start - q0):]  # written while the model is silent, inside the session
                     text[max(q0, s_start):max(q0, s_start) + len(q)] = q
-        for who, a, b, lo, hi, src in placed:  # echo after all user speech is known
+        for who, a, b, lo, hi, src, k in placed:  # echo after all user speech is known
             if who == 1 and rng.random() < spec.echo_p:
                 d = _steps(u(spec.echo_delay_s))
                 e = src["echo_noisy" if noised else "echo"][lo:hi]
@@ -445,6 +453,7 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
                     seg = e[: b2 - a2]
                     free = ~user_mask[a2:b2]
                     listen[a2:b2][free] = seg[free]
+                    echoes.append((k, lo, a2, b2 - a2))
         labels[s_start] = START
         labels[s_start + 1:s_end] = IN_SESSION
         labels[s_end] = END
@@ -460,7 +469,7 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
             break
     tokens = np.concatenate([text[:, None], speak.astype(np.int64), listen.astype(np.int64)], axis=1)  # [T,17]
     return SynthStream(tokens, labels, sessions, session_users, speaker, speaker_pos, noised,
-                       noise_clip_kind(clip) if clip is not None else None)
+                       noise_clip_kind(clip) if clip is not None else None, echoes)
 
 
 def _user_codes(rng: np.random.Generator, src: dict[str, np.ndarray], noised: bool) -> np.ndarray:

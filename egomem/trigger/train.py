@@ -1,31 +1,34 @@
 """Train the episodic trigger on synthetic streams (`egomem train-trigger`).
 
 Steps: (1) encode the LibriSpeech sources once with the project's Mimi into a code cache
-(`--cache-dir`, reused on later runs with the same Mimi); (2) train on freshly synthesised streams
-(batch b of step s is drawn from `rng([seed, s])`, so a resumed run sees the same data as an
-uninterrupted one); (3) evaluate on held-out streams (held-out users and assistant utterances,
-clean and noised); (4) write fp16 weights + metadata to `--out`.
+(`--cache-dir`, reused on later runs with the same Mimi); (2) build the listen pool once
+(`--listen-pool` layouts, `egomem.trigger.listen_audio`): each layout's listen row laid out as audio
+and encoded whole by the codec, clean and over one background, as serving's codec writes a live
+stream (a trigger trained on rows spliced from the cached codes learnt the splice); (3) train on
+batches drawn from the pool (batch b of step s from `rng([seed, s])`, so a resumed run sees the same
+data as an uninterrupted one; `--listen-pool 0`: freshly synthesised spliced streams, as before);
+(4) evaluate on held-out streams (held-out users and assistant utterances, clean and noised, listen
+rows encoded whole); (5) write fp16 weights + metadata to `--out`.
 
 The shipped offline default `egomem/data/trigger_tiny.safetensors` (4.2 MB), trained on the codes
 of the shipped trained tiny codec (`egomem train-codec`), is made by
 
     python -m egomem.trigger.train --data /work/shared/data/speech \
-        --out egomem/data/trigger_tiny.safetensors --seed 0 --steps 3000
+        --out egomem/data/trigger_tiny.safetensors --seed 0 --steps 3000 --code-aug-p 0.3
 
 (LibriSpeech FLAC as in the project's shared data; no espeak/flite needed) with today's defaults:
 `[trigger]` dim 128, 4 layers, audio embedding rank 32, reading the recorded voice track
-(`trigger.voice_dim = 256`, withheld on `--drop-track-p` of the streams), the auxiliary voice-change
-loss (`--voice-change-weight 0.5`), and against over-fitting the 200 one-utterance training users
-`--dropout 0.1 --code-aug-p 0.2`, the track withheld on 5 % of streams (`--drop-track-p 0.05`). (Its
-metadata names `--config runs/s35/wide.toml`: a file holding those three `[trigger]` dims, which were
-not yet the defaults; the computation is the same.) Trainer's 48 held-out streams (decoded at
-short_gap_cost 12), Jaccard / F1@5: clean 0.992 / 0.887, noised 0.971 / 0.703, against 0.991 / 0.864
-and 0.945 / 0.608 for the trigger shipped before it (`--code-aug-p 0.1 --drop-track-p 0.2`), and
-0.982 / 0.766 and 0.932 / 0.481 for the dim-64 trigger without dropout and augmentation before that.
-(These figures were decoded with the Viterbi path's boundaries; the trainer now also refines them.)
-Training: ≈30 min on a 2-core CPU (one torch thread, ~1.7 steps/s beside another job);
-building the code cache the first time: ≈5 min idle (≈20 min shared).
-Rerunning the command after a kill resumes from `--ckpt-dir`.
+(`trigger.voice_dim = 256`, withheld on `--drop-track-p 0.05` of the streams, a tenth of the polls
+dropped), the auxiliary voice-change loss (`--voice-change-weight 0.5`), `--dropout 0.1`, a listen pool
+of 800 layouts (1,600 streams), and 0.3 of the fine audio codes replaced (the pool's streams repeat, so
+more augmentation than the 0.2 default paid: trainer's 48 held-out streams F1@5 clean / noised 0.922 /
+0.656 against 0.899 / 0.654 at 0.2). Held out (`bench/bench_trigger.py`, 200 streams): Jaccard / F1@5
+clean 0.990 / 0.893, noised 0.965 / 0.673, against 0.930 / 0.470 and 0.905 / 0.448 for the trigger
+shipped before it (trained on spliced rows) on the same streams.
+Training: ≈35 min on a 2-core CPU (one torch thread, beside a second run); the pool the first time:
+≈30 min on one core (`python -m egomem.trigger.listen_audio --data ... --shards 0:8` and `8:16` build
+its halves in two processes); the code cache: ≈5 min idle (≈20 min shared).
+Rerunning the command after a kill resumes from `--ckpt-dir` (and from the pool shards already built).
 For real Mimi weights set `mimi.weights` in the config (`--config`) and run the same command.
 """
 
@@ -45,12 +48,14 @@ import torch.nn.functional as F
 
 from egomem.config import REPO_ROOT, TriggerConfig, load_config
 from egomem.trigger.decode import configured_decode, decode_sessions
+from egomem.trigger.listen_audio import encode_listen
 from egomem.trigger.metrics import evaluate
 from egomem.trigger.model import TriggerModel, TriggerModelConfig, save_trigger
 from egomem.trigger.synth import (
     STEP_S,
     CodeCache,
     StreamSpec,
+    SynthStream,
     build_cache,
     cache_path,
     synth_batch,
@@ -97,6 +102,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "in training, so the tagger cannot learn the few training utterances' exact code sequences")
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--eval-streams", type=int, default=48, help="held-out streams per condition at the end")
+    p.add_argument("--listen-pool", type=int, default=800,
+                   help="train on a pool of this many stream layouts whose listen row is encoded whole from audio "
+                        "(egomem.trigger.listen_audio: what serving's codec writes; each layout clean and noised; "
+                        "built once into --cache-dir from --data); 0: listen rows spliced from cached codes")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: fastest on a shared 2-core machine, and reproducible; 0: torch's default)")
     return p.parse_args(argv)
@@ -136,18 +145,23 @@ def voices_of(model: TriggerModel, cache: CodeCache, streams: list, rng: np.rand
 @torch.no_grad()
 def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noised: bool,
                    spec: StreamSpec | None = None, decoding: TriggerConfig | None = None,
-                   voices: bool = True) -> dict:
+                   voices: bool = True, listen: tuple | None = None) -> dict:
     """span metrics on n held-out streams (seeded: the same streams for every model), decoded as the
     labeler decodes (`configured_decode`: `decoding`'s gap rule, minimum session length, boundary
     refinement).
-    A trigger that reads the voice track gets the streams' polls unless `voices` is False."""
+    A trigger that reads the voice track gets the streams' polls unless `voices` is False.
+    `listen` = (SourceAudio, codec): each stream's listen row encoded whole from audio (`listen_audio`),
+    the noise of a noised one added to that audio; else spliced from the cache's codes."""
     decoding = decoding or TriggerConfig()
     spec = spec or StreamSpec(steps=1024)
     rng = np.random.default_rng([seed, 7, int(noised)])
     preds, golds = [], []
     model.eval()
     for _ in range(n):
-        st = synth_recorded(cache, rng, spec, noised=noised)
+        if listen is None:
+            st = synth_recorded(cache, rng, spec, noised=noised)
+        else:
+            st = encode_listen(synth_recorded(cache, rng, spec, noised=False), *listen, rng, noised)
         v = voices_of(model, cache, [st]) if voices else None
         log_probs = torch.log_softmax(model(torch.from_numpy(st.tokens)[None], v)[0], -1).numpy()  # T,4
         preds.append(decode_sessions(configured_decode(log_probs, decoding)))
@@ -188,7 +202,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         seed: int, ckpt: Path | None = None, ckpt_every: int = 100, resume: bool = True,
         stop_after: int | None = None, progress: bool = True, max_stream_steps: int | None = None,
         long_p: float = 0.0, voice_change_weight: float = 0.0, drop_track_p: float = 0.0,
-        drop_poll_p: float = 0.0, code_aug_p: float = 0.0) -> list[float]:
+        drop_poll_p: float = 0.0, code_aug_p: float = 0.0, pool: list[SynthStream] | None = None) -> list[float]:
     """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
 
     A share `long_p` of the steps trains on ONE stream of 1024..`max_stream_steps` steps instead of
@@ -206,6 +220,10 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
     `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
     run continues exactly where the interrupted one was. `stop_after` ends this call early (tests).
+
+    With a `pool` (`listen_audio.load_or_build_pool`: streams whose listen row is encoded whole from
+    audio), batches are drawn from it instead of synthesised: `batch` of its `stream_steps`-long
+    streams, or on a long step one of its longer ones.
     """
     from tqdm import tqdm
 
@@ -219,12 +237,13 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     if ckpt is not None and ckpt.is_file() and resume:
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         made = (state["model_cfg"], state["seed"], state.get("total_steps"), state.get("voice_change_weight", 0.0),
-                state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0), state.get("code_aug_p", 0.0))
+                state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0), state.get("code_aug_p", 0.0),
+                state.get("pool_streams", 0))
         old_cfg = {**TriggerModelConfig().to_dict(), **made[0]}  # a state saved before a config field existed
         if (old_cfg, *made[1:]) != (model.cfg.to_dict(), seed, steps, voice_change_weight, drop_track_p, drop_poll_p,
-                                    code_aug_p):
+                                    code_aug_p, len(pool or [])):
             raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight, "
-                             f"voice dropout or --code-aug-p; pass --no-resume or another --ckpt-dir")
+                             f"voice dropout, --code-aug-p or --listen-pool; pass --no-resume or another --ckpt-dir")
         model.load_state_dict(state["model"])
         if voice_head is not None:
             voice_head.load_state_dict(state["voice_head"])
@@ -233,6 +252,10 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         start, losses = state["step"], state["losses"]
         log.info("resuming from %s at step %d", ckpt, start)
     end = steps if stop_after is None else min(steps, start + stop_after)
+    short = [st for st in pool or [] if st.tokens.shape[0] == stream_steps]
+    longer = [st for st in pool or [] if st.tokens.shape[0] > stream_steps]
+    if pool is not None and not short:
+        raise ValueError(f"the pool holds no stream of {stream_steps} steps (--stream-steps)")
     model.train()
     bar = tqdm(range(start, end), initial=start, total=steps, desc="train trigger", unit="step", disable=not progress)
     for step in bar:
@@ -241,7 +264,12 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
             spec, b = StreamSpec(steps=int(rng.integers(1024, max_stream_steps + 1))), 1
         else:
             spec, b = StreamSpec(steps=stream_steps), batch
-        streams = synth_batch(cache, rng, spec, b)
+        if pool is None:
+            streams = synth_batch(cache, rng, spec, b)
+        elif b == 1 and longer:
+            streams = [longer[int(rng.integers(len(longer)))]]
+        else:
+            streams = [short[int(i)] for i in rng.integers(len(short), size=batch)]
         voices = voices_of(model, cache, streams, rng, drop_track_p, drop_poll_p)
         tokens = np.stack([st.tokens for st in streams])  # B,T,17
         if code_aug_p > 0:  # drawn after the streams and the track: with 0 the run draws what it drew before
@@ -270,6 +298,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
                         "step": step + 1, "losses": losses, "model_cfg": model.cfg.to_dict(), "seed": seed,
                         "total_steps": steps, "voice_change_weight": voice_change_weight,
                         "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p, "code_aug_p": code_aug_p,
+                        "pool_streams": len(pool or []),
                         "voice_head": voice_head.state_dict() if voice_head is not None else None}, tmp)
             tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
     model.eval()
@@ -284,18 +313,30 @@ def train(args: argparse.Namespace) -> dict:
     held_cache = load_or_build_cache(args, cfg.mimi, "heldout")
     model = make_model(cfg.trigger, args.seed, int(np.ceil(cfg.orchestrator.identify_window_s / STEP_S - 1e-9)),
                        dropout=args.dropout)
+    pool, listen = None, None
+    if args.listen_pool:
+        from egomem.trigger.codec import build_codec
+        from egomem.trigger.listen_audio import PoolSpec, SourceAudio, load_or_build_pool
+
+        codec = build_codec(cfg.mimi)
+        spec = PoolSpec(layouts=args.listen_pool, steps=args.stream_steps, max_steps=args.max_stream_steps,
+                        seed=args.seed)
+        pool = load_or_build_pool(args.cache_dir, train_cache, codec, spec, args.data)
+        if args.data is None:
+            raise SystemExit("--listen-pool evaluates on held-out audio: pass --data <LibriSpeech root>")
+        listen = (SourceAudio.load(args.data, "heldout"), codec)
     ckpt = args.ckpt_dir / "last.pt"
     t0 = time.time()
     losses = fit(model, train_cache, steps=args.steps, batch=args.batch, stream_steps=args.stream_steps, lr=args.lr,
                  seed=args.seed, ckpt=ckpt, ckpt_every=args.ckpt_every, resume=not args.no_resume,
                  max_stream_steps=args.max_stream_steps, long_p=args.long_p,
                  voice_change_weight=args.voice_change_weight, drop_track_p=args.drop_track_p,
-                 drop_poll_p=args.drop_poll_p, code_aug_p=args.code_aug_p)
+                 drop_poll_p=args.drop_poll_p, code_aug_p=args.code_aug_p, pool=pool)
     train_s = time.time() - t0
     from egomem.trigger.codec import build_codec, codec_fingerprint
 
     results = {cond: evaluate_model(model, held_cache, args.eval_streams, args.seed, noised=(cond == "noised"),
-                                 decoding=cfg.trigger)
+                                 decoding=cfg.trigger, listen=listen)
                for cond in ("clean", "noised")}
     meta = {
         "codec_fingerprint": codec_fingerprint(build_codec(cfg.mimi)),
