@@ -78,6 +78,7 @@ def listen_waveform(stream: SynthStream, audio: SourceAudio, rng: np.random.Gene
         x[t * FRAME:t * FRAME + len(seg)] += seg
         t = e
     user_steps = np.repeat(stream.speaker >= 0, FRAME)
+    # the SNR's reference; a stream without user speech takes a typical speech RMS at these levels
     speech_rms = float(np.sqrt(np.mean(x[user_steps] ** 2))) if user_steps.any() else 0.03
     for k, lo, at, n in stream.echoes:
         src = _peak_scaled(audio.assistant[k], rng.uniform(*LEVEL_DB)) * rng.uniform(*ECHO_GAIN)
