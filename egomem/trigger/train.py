@@ -318,12 +318,12 @@ def train(args: argparse.Namespace) -> dict:
         from egomem.trigger.codec import build_codec
         from egomem.trigger.listen_audio import PoolSpec, SourceAudio, load_or_build_pool
 
+        if args.data is None:
+            raise SystemExit("--listen-pool evaluates on held-out audio: pass --data <LibriSpeech root>")
         codec = build_codec(cfg.mimi)
         spec = PoolSpec(layouts=args.listen_pool, steps=args.stream_steps, max_steps=args.max_stream_steps,
                         seed=args.seed)
         pool = load_or_build_pool(args.cache_dir, train_cache, codec, spec, args.data)
-        if args.data is None:
-            raise SystemExit("--listen-pool evaluates on held-out audio: pass --data <LibriSpeech root>")
         listen = (SourceAudio.load(args.data, "heldout"), codec)
     ckpt = args.ckpt_dir / "last.pt"
     t0 = time.time()
