@@ -63,6 +63,7 @@ from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
 from egomem.trigger import TriggerLabeler, decode_sessions
 from egomem.trigger.decode import configured_decode
 from egomem.trigger.identity_split import SplitRule, split_sessions
+from egomem.trigger.listen_audio import draw_stream
 from egomem.trigger.metrics import SHIPPED_BAR, error_breakdown, evaluate, meets_bar
 from egomem.trigger.synth import (
     N_TRAIN_USERS,
@@ -140,10 +141,11 @@ def main(argv: list[str] | None = None) -> dict:
     if cache.fingerprint != labeler.meta.get("codec_fingerprint"):
         print(f"WARNING: cache codec {cache.fingerprint} != checkpoint codec {labeler.meta.get('codec_fingerprint')}")
     spec = StreamSpec(steps=args.stream_steps)
+    listen = None  # --listen codes: spliced from the cache's codes
     if args.listen == "audio":
         from egomem.config import load_config
         from egomem.trigger.codec import build_codec, codec_fingerprint
-        from egomem.trigger.listen_audio import SourceAudio, encode_listen
+        from egomem.trigger.listen_audio import SourceAudio
 
         if not (args.data / "cohort").is_dir():
             raise SystemExit(f"--listen audio needs the held-out sources' audio: {args.data}/cohort is missing; pass "
@@ -151,13 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         codec = build_codec(load_config(None).mimi)
         if codec_fingerprint(codec) != cache.fingerprint:
             raise SystemExit(f"{args.cache} was encoded by another codec than the configured one")
-        audio = SourceAudio.load(args.data, "heldout")
-
-    def stream(rng: np.random.Generator, cspec: StreamSpec, noised: bool):
-        """One held-out stream as --listen says (the layout draws what synth_stream draws: same layouts)."""
-        if args.listen == "codes":
-            return synth_recorded(cache, rng, cspec, noised=noised)
-        return encode_listen(synth_recorded(cache, rng, cspec, noised=False), audio, codec, rng, noised)
+        listen = (SourceAudio.load(args.data, "heldout"), codec)
 
     results: dict = {"checkpoint": str(labeler.checkpoint), "cache": str(args.cache), "device": args.device,
                      "listen": args.listen,
@@ -191,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
             out["peer_trigger"] = []
         golds, polls, backgrounds = [], 0, []
         for _ in range(args.streams):
-            s = stream(rng, cspec, noised)
+            s = draw_stream(cache, rng, cspec, noised, listen)
             voices = poll_voices(cache, s)
             polls += len(voices)
             log_probs = labeler.log_probs(s.tokens, voices)
@@ -222,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         out = {"trigger": [], "trigger_one_pass": [], "activity_peer": []}
         golds = []
         for _ in range(args.long_streams):
-            s = stream(rng, cspec, noised)
+            s = draw_stream(cache, rng, cspec, noised, listen)
             voices = poll_voices(cache, s)
             out["trigger"].append(decode_sessions(labeler.label(s.tokens, voices)))
             out["trigger_one_pass"].append(decode_sessions(one_pass.label(s.tokens, voices)))

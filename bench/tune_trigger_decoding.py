@@ -31,9 +31,9 @@ from tqdm import tqdm
 from egomem.config import REPO_ROOT, TriggerConfig
 from egomem.trigger import TriggerLabeler, decode_sessions
 from egomem.trigger.decode import configured_decode
-from egomem.trigger.listen_audio import encode_listen
+from egomem.trigger.listen_audio import draw_stream
 from egomem.trigger.metrics import error_breakdown, evaluate
-from egomem.trigger.synth import CodeCache, StreamSpec, poll_voices, synth_recorded
+from egomem.trigger.synth import CodeCache, StreamSpec, poll_voices
 
 COSTS = (math.inf, 16.0, 12.0, 8.0, 6.0, 4.0, 2.0, 0.0)
 WINDOWS = (0, 2, 3, 4, 5, 6, 8)
@@ -78,10 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         rng = np.random.default_rng([a.seed, int(noised)])
         lps, golds = [], []
         for _ in tqdm(range(a.streams), desc=f"{cond} streams", unit="stream"):
-            if listen is None:
-                s = synth_recorded(cache, rng, StreamSpec(steps=1024), noised=noised)
-            else:
-                s = encode_listen(synth_recorded(cache, rng, StreamSpec(steps=1024), noised=False), *listen, rng, noised)
+            s = draw_stream(cache, rng, StreamSpec(steps=1024), noised, listen)
             lps.append(labeler.log_probs(s.tokens, poll_voices(cache, s)))  # the track, as the manager hands it
             golds.append(s.sessions)
         logps[cond] = (lps, golds)

@@ -104,6 +104,18 @@ def encode_listen(stream: SynthStream, audio: SourceAudio, codec, rng: np.random
     return dataclasses.replace(stream, tokens=tokens, noised=noised, background=kind)
 
 
+def draw_stream(cache, rng: np.random.Generator, spec, noised: bool, listen: tuple | None = None) -> SynthStream:
+    """One stream drawn from `rng`: its listen row spliced from `cache`'s codes (`listen` None, as
+    `synth.synth_recorded`), or laid out and encoded whole (`listen` = (SourceAudio, codec)) over the
+    layout of a clean stream, the noise of a noised one added to the audio."""
+    from egomem.trigger.synth import synth_recorded
+
+    if listen is None:
+        return synth_recorded(cache, rng, spec, noised=noised)
+    audio, codec = listen
+    return encode_listen(synth_recorded(cache, rng, spec, noised=False), audio, codec, rng, noised)
+
+
 # ----------------------------------------------------------------------------------------------
 # the training pool
 
@@ -203,14 +215,12 @@ def load_or_build_pool(pool_dir: Path, cache, codec, spec: PoolSpec, data_root: 
 def heldout_set(cache, audio: SourceAudio, codec, n: int, seed: int, steps: int = 1024) -> list[SynthStream]:
     """n clean then n noised held-out streams, layouts from rng([seed, 0 / 1]) as the spliced benchmarks
     draw them, listen rows encoded whole (what tests/data/trigger/heldout_listen.npz holds)."""
-    from egomem.trigger.synth import StreamSpec, synth_recorded
+    from egomem.trigger.synth import StreamSpec
 
     out = []
     for noised in (False, True):
         rng = np.random.default_rng([seed, int(noised)])
-        for _ in range(n):
-            layout = synth_recorded(cache, rng, StreamSpec(steps=steps), noised=False)
-            out.append(encode_listen(layout, audio, codec, rng, noised))
+        out += [draw_stream(cache, rng, StreamSpec(steps=steps), noised, (audio, codec)) for _ in range(n)]
     return out
 
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from egomem.config import REPO_ROOT, TriggerConfig, load_config
 from egomem.trigger.decode import configured_decode, decode_sessions
-from egomem.trigger.listen_audio import encode_listen
+from egomem.trigger.listen_audio import draw_stream
 from egomem.trigger.metrics import evaluate
 from egomem.trigger.model import TriggerModel, TriggerModelConfig, save_trigger
 from egomem.trigger.synth import (
@@ -59,7 +59,6 @@ from egomem.trigger.synth import (
     build_cache,
     cache_path,
     synth_batch,
-    synth_recorded,
     track_features,
     voice_change_targets,
 )
@@ -158,10 +157,7 @@ def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noi
     preds, golds = [], []
     model.eval()
     for _ in range(n):
-        if listen is None:
-            st = synth_recorded(cache, rng, spec, noised=noised)
-        else:
-            st = encode_listen(synth_recorded(cache, rng, spec, noised=False), *listen, rng, noised)
+        st = draw_stream(cache, rng, spec, noised, listen)
         v = voices_of(model, cache, [st]) if voices else None
         log_probs = torch.log_softmax(model(torch.from_numpy(st.tokens)[None], v)[0], -1).numpy()  # T,4
         preds.append(decode_sessions(configured_decode(log_probs, decoding)))
