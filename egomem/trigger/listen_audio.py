@@ -7,7 +7,7 @@ trained on it learns the splice: after a turn the row drops straight back to the
 near-silence, whereas a codec that encodes the whole stream (Mimi's encoder transformer attends over
 seconds of context) writes other codes for the silence after speech. The trigger trained on spliced
 rows (`bench/bench_trigger.py`, 200 held-out clean streams): F1@5 0.891 spliced, 0.470 with the rows
-encoded whole; in the streams looked at, its sessions ended 7-26 steps late. And the spliced noised row changes noise kind and
+encoded whole; in one stream looked at closely, its sessions ended 7, 13 and 26 steps late. And the spliced noised row changes noise kind and
 level at every utterance edge, where a room's background does not.
 
 `encode_listen` keeps a stream's layout (sessions, labels, text and speak rows, who speaks where)
