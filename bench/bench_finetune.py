@@ -102,6 +102,9 @@ def main() -> int:
                    "corpus (min,max Level-1 questions in the main user's dialog); the held-out corpus keeps 1,2")
     p.add_argument("--return-visit", type=float, default=0.75, help="egomem make-corpus --return-visit for the "
                    "training corpus (the held-out set keeps the generator's default)")
+    p.add_argument("--listen", choices=("whole", "spliced"), default="whole",
+                   help="egomem make-corpus --listen for both sets: the listen row encoded whole as serving's codec "
+                        "writes it, or spliced per utterance (every run before session 42)")
     p.add_argument("--heldout-households", type=int, default=16)
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--batch-size", type=int, default=4)
@@ -156,11 +159,12 @@ def main() -> int:
                                               str(args.train_households), "--split", "train", "--seed",
                                               str(args.seed), "--levels", args.train_levels, "--generator", "template",
                                               "--own-questions", args.own_questions, "--return-visit",
-                                              str(args.return_visit))
+                                              str(args.return_visit), "--listen", args.listen)
     if not (heldout / "manifest.json").exists():
         times["make_corpus_heldout_s"] = egomem("make-corpus", "--out", str(heldout), "--households",
                                                 str(args.heldout_households), "--split", "heldout", "--seed",
-                                                str(args.seed + 1), "--levels", "1,2", "--generator", "template")
+                                                str(args.seed + 1), "--levels", "1,2", "--generator", "template",
+                                                "--listen", args.listen)
     if not (run / "lm.safetensors").exists():
         resume = ["--resume"] if (run / "ckpt").exists() else []
         times["finetune_s"] = egomem("finetune", "--data", str(train), "--out", str(run), "--steps", str(args.steps),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from egomem.cli import main
@@ -35,6 +36,15 @@ def test_make_corpus_writes_a_heldout_level1_dataset(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit, match="already holds a dataset"):  # never overwrites one
         main(["make-corpus", "--out", str(out), "--households", "1", "--levels", "1"])
     assert json.loads((out / "manifest.json").read_text())["counts"]["households"] == 1
+    # the listen row as serving writes it (one pass over the microphone audio) unless --listen spliced
+    assert ds.manifest["spec"]["listen"] == "whole"
+    assert main(["make-corpus", "--out", str(tmp_path / "spliced"), "--households", "1", "--split", "heldout",
+                 "--levels", "1", "--no-noised", "--seed", "3", "--own-questions", "2,2", "--listen", "spliced"]) == 0
+    old = Dataset(tmp_path / "spliced")
+    assert old.manifest["spec"]["listen"] == "spliced"
+    stream = ds.samples[0].stream
+    assert np.array_equal(old.tokens(stream)[:9], ds.tokens(stream)[:9])  # same layout, text and speak rows
+    assert not np.array_equal(old.tokens(stream)[9:], ds.tokens(stream)[9:])
 
 
 def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ import pytest
 from egomem.config import MimiConfig
 from egomem.dialog.tokenizer import ByteTokenizer
 from egomem.training.streams import (
+    FRAME_SAMPLES,
     MAX_DIALOG_STEPS,
     DialogLayout,
     StreamBuilder,
@@ -41,7 +42,7 @@ from egomem.training.tts import (
     voice_for,
 )
 from egomem.training.types import Dialog, Query, Turn
-from egomem.trigger.codec import build_codec
+from egomem.trigger.codec import build_codec, encode
 
 PAD = ByteTokenizer.pad_id
 # fixed gaps: positions follow from the utterances' lengths alone
@@ -143,8 +144,20 @@ def test_tts_cache_speaks_each_line_once(tts):
 # -- exact layout -------------------------------------------------------------------------------------
 
 
-def test_exact_positions_text_lead_and_query_words(codec, tts):
-    b = builder(codec, tts)
+def whole_listen(b: StreamBuilder, plan, dialogs, n_steps: int) -> np.ndarray:
+    """[8, n_steps]: the users' utterances of a plan laid out as one waveform at their frames, encoded in one pass."""
+    wav = np.zeros(n_steps * FRAME_SAMPLES, np.float32)
+    for d, (_, dlg) in zip(plan, dialogs, strict=False):
+        for u in d.turns:
+            x = b.tts(dlg.turns[u.turn].user, voice_for(dlg.user_id, dlg.split))
+            x = x[:max(0, len(wav) - u.user_start * FRAME_SAMPLES)]
+            wav[u.user_start * FRAME_SAMPLES:u.user_start * FRAME_SAMPLES + len(x)] += x
+    return encode(b.codec, wav)[:n_steps].T
+
+
+@pytest.mark.parametrize("listen", ["whole", "spliced"])
+def test_exact_positions_text_lead_and_query_words(codec, tts, listen):
+    b = builder(codec, tts, replace(FIXED, listen=listen))
     s = b.build("x", [(0, GREET), (1, ASK)], index=0, noised=False)
     U, ids = b.utterance, ByteTokenizer().encode
     ada, bob = voice_for("ada", "train"), voice_for("bob", "train")
@@ -166,7 +179,7 @@ def test_exact_positions_text_lead_and_query_words(codec, tts):
     assert [d.turns for d in lay.dialogs] == [(t0, t1), (t2,)]
     assert [d.index for d in lay.dialogs] == [0, 1] and lay.dialogs[1].voice == str(bob)
     assert lay.n_steps == t2.reply_end + 4 and s.tokens.shape == (17, lay.n_steps) and s.tokens.dtype == np.int16
-    text, speak, listen = s.tokens[0], s.tokens[1:9], s.tokens[9:]
+    text, speak, listen_row = s.tokens[0], s.tokens[1:9], s.tokens[9:]
     sil = b.silence[:, None]
     for (turn, u, voice) in ((GREET.turns[0], t0, ada), (GREET.turns[1], t1, ada), (ASK.turns[0], t2, bob)):
         r = ids(turn.reply)
@@ -175,7 +188,12 @@ def test_exact_positions_text_lead_and_query_words(codec, tts):
         assert text[u.reply_text_start - 1] == PAD and text[u.reply_text_end] == PAD
         assert np.array_equal(speak[:, u.reply_audio_start:u.reply_audio_end], U(turn.reply, MODEL_VOICE).T)
         assert (speak[:, u.reply_audio_start - 1] == b.silence).all() and (speak[:, u.reply_audio_end] == b.silence).all()
-        assert np.array_equal(listen[:, u.user_start:u.user_end], U(turn.user, voice).T)
+        alone = U(turn.user, voice).T  # the utterance encoded on its own
+        assert alone.shape[1] == u.user_end - u.user_start
+        if listen == "spliced":
+            assert np.array_equal(listen_row[:, u.user_start:u.user_end], alone)
+        elif turn.user:  # encoded in the stream, Mimi's context changes the codes
+            assert not np.array_equal(listen_row[:, u.user_start:u.user_end], alone)
     # the query words precede the reply on the text row while the model is silent
     assert text[t2.query_start:t2.query_end].tolist() == ids(q) and text[t2.query_start - 1] == PAD
     assert (text[t2.query_end:t2.reply_text_start] == PAD).all()
@@ -186,7 +204,12 @@ def test_exact_positions_text_lead_and_query_words(codec, tts):
     for u in (t0, t1, t2):
         heard[u.user_start:u.user_end] = True
         said[u.reply_audio_start:u.reply_audio_end] = True
-    assert (listen[:, ~heard] == sil).all() and (speak[:, ~said] == sil).all()
+    assert (speak[:, ~said] == sil).all()
+    if listen == "spliced":
+        assert (listen_row[:, ~heard] == sil).all()
+    else:  # the users' audio at its frames, encoded in one pass, as serving's codec writes a microphone
+        assert np.array_equal(listen_row, whole_listen(b, s.layout.dialogs, [(0, GREET), (1, ASK)], lay.n_steps))
+        assert (listen_row[0, :t1.user_start] == b.silence[0]).mean() > 0.9  # nobody spoke yet: silence
     assert (text[:t0.reply_text_start] == PAD).all() and (text[t2.reply_text_end:] == PAD).all()
 
 
@@ -221,8 +244,8 @@ def test_interruptions_about_30_percent_cut_at_next_user_turn(codec, tts):
         a = u.reply_audio_end - u.reply_audio_start
         assert np.array_equal(speak[:, u.reply_audio_start:u.reply_audio_end], full[:a].T)
         assert (speak[:, u.reply_audio_end:v.reply_audio_start] == b.silence[:, None]).all()
-        user = b.utterance(nxt.user, voice_for("ada", "train"))
-        assert np.array_equal(listen[:, v.user_start:v.user_end], user.T)
+        assert v.user_end - v.user_start == b.frames(nxt.user, voice_for("ada", "train"))
+    assert np.array_equal(listen, whole_listen(b, s.layout.dialogs, [(0, dlg)], s.layout.n_steps))
     for u, v in zip(turns, turns[1:], strict=False):
         if not u.interrupted:
             assert v.user_start >= u.reply_end + 3  # waits for the reply to end (pause 3-12)
@@ -247,9 +270,10 @@ def test_truncation_to_the_cap(codec, tts):
     kept = lay.dialogs[0].turns
     nxt = plan[0].turns[len(kept)]  # the first turn that does not end by frame 150
     assert nxt.reply_end > 150 and kept[-1].reply_end <= 150 and lay.dropped_turns == 6 - len(kept)
+    # the listen row holds the cut-off turn's audio up to the cap: the full plan, encoded whole
+    assert np.array_equal(s.tokens[9:], whole_listen(small, plan, [(0, chatty(6))], 150))
     if nxt.user_start < 150:
-        heard = small.utterance(chatty(6).turns[nxt.turn].user, voice_for("ada", "train"))[:150 - nxt.user_start]
-        assert np.array_equal(s.tokens[9:, nxt.user_start:nxt.user_end][:, :len(heard)], heard.T)
+        assert not np.array_equal(s.tokens[9:], whole_listen(small, lay.dialogs, [(0, chatty(6))], 150))
     with pytest.raises(ValueError, match="first turn does not end within max_steps=10"):
         builder(codec, tts, StreamSpec(max_steps=10)).build("tiny", [(0, GREET)], index=0, noised=False)
 

@@ -21,6 +21,7 @@ from .corpus import GENERATOR, OWN_QUESTIONS, RETURN_VISIT, make_corpus
 from .corpus_llm import configured_client, make_llm_corpus
 from .dataset import build_dataset
 from .memory_text import MemoryTexts
+from .streams import LISTEN_ENCODINGS, StreamSpec
 
 
 def add_build_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +41,9 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                    help="chance of the main user's return visit, a second Level-1 dialog (template generator; "
                         "docs/training.md#corpus-41)")
     p.add_argument("--no-noised", action="store_true", help="skip the noised copy of each stream")
+    p.add_argument("--listen", choices=LISTEN_ENCODINGS, default=StreamSpec().listen,
+                   help="the user's listen row: 'whole' encodes the stream's microphone audio in one pass, as serving "
+                        "does; 'spliced' cuts in each utterance's own codes (corpora made before session 42)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the codec (1 is fastest on small CPUs)")
 
 
@@ -74,6 +78,7 @@ def run_build(args: argparse.Namespace) -> int:
     with MemoryTexts(households, l1_bytes=cfg.dialog.l1_steps, l2_bytes=cfg.dialog.l2_steps) as texts:
         ds = build_dataset(args.out, households, dialogs, texts, codec, args.seed, dialogs_per_stream=(lo, hi),
                            n1=cfg.dialog.l1_steps, n2=cfg.dialog.l2_steps, noised=not args.no_noised,
+                           spec=StreamSpec(listen=args.listen),
                            tokenizer=load_tokenizer(cfg.dialog.tokenizer),
                            tokenizer_name=str(cfg.dialog.tokenizer or "byte"),
                            corpus_options={"own_questions": list(own), "return_visit": args.return_visit}

@@ -19,13 +19,20 @@ first turn may be the model's greeting (`Turn.user == ""`). Streams end at `max_
 the tokens as unsupervised context but leave the `StreamLayout`, which lists the frame boundaries
 the supervision masks (`masks.py`) are cut from.
 
+The listen row is encoded whole (`StreamSpec.listen = "whole"`, the default): the user's utterances
+are laid out as one 24 kHz waveform at their frames (digital silence between) and the configured Mimi
+encodes it in one pass, which is what serving's codec writes for a microphone. Mimi's encoder attends
+over seconds of audio, so an utterance encoded alone gets other codes: against the whole encoding
+the first codebook agrees on 0.66 of the speech frames and 0.40 of the 8 frames after it, and all 8
+codebooks on almost none (held-out corpus streams, docs/departures.md D26). `listen = "spliced"`
+keeps the corpus before that (each utterance's codes cached and cut in; the runs measured before
+session 42 were trained on it).
+
 Noise augmentation: each stream also comes as a noised copy, same layout and same text and speak
 rows; only the microphone is noisy. One background per stream (white, pink or brown noise from
-`egomem.trigger.synth.make_noise`, 0-20 dB below the stream's median user-speech RMS): mixed into
-each user utterance before encoding, and its noise-only codes (6 s, encoded once per stream) tiled
-over the user's silences. Each utterance is encoded alone (clean codes cached per line and voice),
-and code sequences meet at frame boundaries (as `egomem.trigger.synth` does): Mimi's few-frame
-context across a seam is not reproduced. Everything is seeded: (seed, stream index) fixes a stream.
+`egomem.trigger.synth.make_noise`, 0-20 dB below the stream's median user-speech RMS), added to the
+whole waveform before it is encoded ("spliced": mixed into each utterance, its noise-only codes tiled
+over the silences). Everything is seeded: (seed, stream index) fixes a stream.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ CONTEXT_STEPS = 8192  # the paper's whole training context
 CHUNK_STEPS = 512 + 256  # L1 + L2 MemChunks in front of the dialog
 MAX_DIALOG_STEPS = CONTEXT_STEPS - CHUNK_STEPS
 NOISE_CLIP_FRAMES = 75  # a noised stream's noise-only background: 6 s, encoded once per stream, tiled
+FRAME_SAMPLES = 1920  # one 80 ms frame at 24 kHz
+LISTEN_ENCODINGS = ("whole", "spliced")
 
 
 @dataclass(frozen=True)
@@ -64,8 +73,11 @@ class StreamSpec:
     dialog_gap: tuple[int, int] = (12, 38)  # silence between two dialogs
     tail: int = 4  # silence after the last turn
     noise_snr_db: tuple[float, float] = (0.0, 20.0)  # noised copy: user speech over its background noise
+    listen: str = "whole"  # the listen row: "whole" (one-pass encoding, as served) or "spliced" (per utterance)
 
     def __post_init__(self) -> None:
+        if self.listen not in LISTEN_ENCODINGS:
+            raise ValueError(f"StreamSpec.listen must be one of {LISTEN_ENCODINGS}, got {self.listen!r}")
         for name in ("lead_in", "reply_gap", "query_gap", "retrieval_wait", "pause", "dialog_gap"):
             lo, hi = getattr(self, name)
             if not 0 <= lo <= hi:
@@ -167,7 +179,8 @@ def _draw(rng: np.random.Generator, r: tuple[int, int]) -> int:
 
 
 class StreamBuilder:
-    """Builds streams from dialogs: TTS -> Mimi codes (cached per utterance) -> layout -> tokens."""
+    """Builds streams from dialogs: TTS -> layout -> Mimi codes (the listen row encoded whole, the replies per
+    utterance, cached) -> tokens."""
 
     def __init__(self, codec: torch.nn.Module, tokenizer: TextTokenizer | None = None, spec: StreamSpec | None = None,
                  seed: int = 0, model_voice: Voice = MODEL_VOICE, tts: TTSCache | None = None):
@@ -190,6 +203,10 @@ class StreamBuilder:
             wav = self.tts(text, voice)
             self._codes[key] = encode(self.codec, wav) if len(wav) else np.zeros((0, len(self.silence)), np.int16)
         return self._codes[key]
+
+    def frames(self, text: str, voice: Voice) -> int:
+        """How many frames `text` spoken in `voice` lasts (the length of its codes)."""
+        return -(-len(self.tts(text, voice)) // FRAME_SAMPLES)
 
     def text_ids(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text)
@@ -220,7 +237,7 @@ class StreamBuilder:
                                      f"turn {j} has no user words")
                 if t >= s.max_steps:
                     break
-                us, ue = t, t + len(self.utterance(turn.user, voice))
+                us, ue = t, t + self.frames(turn.user, voice)
                 qs = qe = None
                 if turn.query is not None:
                     qs = ue + _draw(rng, s.query_gap)
@@ -266,7 +283,10 @@ class StreamBuilder:
         K = len(self.silence)
         text = np.full(n_steps, self.pad, np.int16)
         speak = np.repeat(self.silence[None], n_steps, 0)  # [T, K]
-        if noise_rng is None:
+        whole = self.spec.listen == "whole"
+        if whole:
+            listen = self._listen_whole(plan, dialogs, n_steps, noise_rng)
+        elif noise_rng is None:
             listen, level = speak.copy(), 0.0
         else:
             listen, level = self._background(plan, dialogs, n_steps, noise_rng)
@@ -280,7 +300,7 @@ class StreamBuilder:
             voice = voice_for(dialog.user_id, dialog.split)
             for u in d.turns:
                 turn = dialog.turns[u.turn]
-                if turn.user:
+                if turn.user and not whole:
                     put(listen, u.user_start, self._user_codes(turn.user, voice, noise_rng, level))
                 if turn.query is not None:
                     put(text, u.query_start, np.asarray(self.text_ids(turn.query.text()), np.int16))
@@ -299,11 +319,28 @@ class StreamBuilder:
         wav = self.tts(text, voice)
         return encode(self.codec, wav + make_noise(noise_rng, len(wav)) * level)
 
-    def _background(self, plan: list[DialogLayout], dialogs: Sequence[tuple[int, Dialog]], n_steps: int,
-                    rng: np.random.Generator) -> tuple[np.ndarray, float]:
-        """A noised stream's listen row before the user speaks into it, and the noise's RMS level: one
-        background per stream at 0-20 dB SNR below the stream's typical user speech, its noise-only codes
-        (a few seconds, encoded once) tiled over the whole row."""
+    def _listen_whole(self, plan: list[DialogLayout], dialogs: Sequence[tuple[int, Dialog]], n_steps: int,
+                      noise_rng: np.random.Generator | None) -> np.ndarray:
+        """The listen row [n_steps, K] as serving's codec writes it: the user's utterances laid out as one
+        waveform at their frames, with `noise_rng` over one background of noise, encoded in one pass."""
+        from egomem.trigger.codec import encode
+
+        wav = np.zeros(n_steps * FRAME_SAMPLES, np.float32)
+        for d, (_, dialog) in zip(plan, dialogs, strict=False):
+            voice = voice_for(dialog.user_id, dialog.split)
+            for u in d.turns:
+                speech = self.tts(dialog.turns[u.turn].user, voice)
+                start = u.user_start * FRAME_SAMPLES
+                n = max(0, min(len(speech), len(wav) - start))
+                wav[start:start + n] += speech[:n]
+        if noise_rng is not None:
+            level = self._noise_level(plan, dialogs, noise_rng)
+            wav += make_noise(noise_rng, len(wav)) * level
+        return encode(self.codec, wav)[:n_steps]
+
+    def _noise_level(self, plan: list[DialogLayout], dialogs: Sequence[tuple[int, Dialog]],
+                     rng: np.random.Generator) -> float:
+        """A noised stream's noise RMS: 0-20 dB (`noise_snr_db`) below the stream's median user-speech RMS."""
         rms = []
         for d, (_, dialog) in zip(plan, dialogs, strict=False):
             voice = voice_for(dialog.user_id, dialog.split)
@@ -312,10 +349,16 @@ class StreamBuilder:
                 if len(wav):
                     rms.append(float(np.sqrt(np.mean(wav ** 2))))
         snr_db = rng.uniform(*self.spec.noise_snr_db)
-        level = (float(np.median(rms)) if rms else 0.05) / 10 ** (snr_db / 20)
+        return (float(np.median(rms)) if rms else 0.05) / 10 ** (snr_db / 20)
+
+    def _background(self, plan: list[DialogLayout], dialogs: Sequence[tuple[int, Dialog]], n_steps: int,
+                    rng: np.random.Generator) -> tuple[np.ndarray, float]:
+        """("spliced") A noised stream's listen row before the user speaks into it, and the noise's RMS
+        level (`_noise_level`): its noise-only codes (a few seconds, encoded once) tiled over the row."""
         from egomem.trigger.codec import encode
 
-        clip = encode(self.codec, make_noise(rng, NOISE_CLIP_FRAMES * 1920) * level)[3:]  # past the warm-up frames
+        level = self._noise_level(plan, dialogs, rng)
+        clip = encode(self.codec, make_noise(rng, NOISE_CLIP_FRAMES * FRAME_SAMPLES) * level)[3:]  # past warm-up
         reps = -(-n_steps // len(clip)) + 1
         a = int(rng.integers(len(clip)))
         return np.concatenate([clip] * reps)[a:a + n_steps].astype(np.int16), level
