@@ -47,6 +47,7 @@ import torch
 from egomem.dialog.tokenizer import ByteTokenizer, TextTokenizer
 from egomem.training.tts import MODEL_VOICE, TTSCache, Voice, voice_for
 from egomem.training.types import Dialog
+from egomem.trigger.codec import FRAME_SAMPLES
 from egomem.trigger.synth import make_noise
 
 N_ROWS = 17  # text, 8 speak, 8 listen
@@ -54,7 +55,6 @@ CONTEXT_STEPS = 8192  # the paper's whole training context
 CHUNK_STEPS = 512 + 256  # L1 + L2 MemChunks in front of the dialog
 MAX_DIALOG_STEPS = CONTEXT_STEPS - CHUNK_STEPS
 NOISE_CLIP_FRAMES = 75  # a noised stream's noise-only background: 6 s, encoded once per stream, tiled
-FRAME_SAMPLES = 1920  # one 80 ms frame at 24 kHz
 LISTEN_ENCODINGS = ("whole", "spliced")
 
 
