@@ -25,7 +25,7 @@ from egomem.training.forward import dialog_inputs
 from egomem.training.listen import ClipBank, ListenRows, code_vectors, collate, held_scores, init_listen_embeddings
 from egomem.training.listen import loss as listen_loss
 from egomem.training.streams import silence_code
-from egomem.training.tts import HELDOUT_VOICES, TRAIN_VOICES
+from egomem.training.tts import HELDOUT_VOICES, TRAIN_VOICES, TTSCache
 from egomem.trigger.codec import build_codec
 
 # the backbone tests' small model, with Mimi's 2048 codes (the rows carry real speech codes)
@@ -75,8 +75,9 @@ def test_a_row_asks_spoken_questions_and_answers_them_from_its_profile(codec, ba
                     asked += 1
                     heard = listen[:, previous_end:a.start].T  # the question is spoken between the last reply and it
                     clips = [c for (q, v), c in bank.clean.items()] + [c for k, c in bank.noised.items()]
+                    spoken = [c[:bank.speech_frames(c)] for c in clips]  # its tail runs on under the reply
                     assert any(len(c) <= len(heard) and any((heard[i:i + len(c)] == c).all()
-                                                            for i in range(len(heard) - len(c) + 1)) for c in clips)
+                                                            for i in range(len(heard) - len(c) + 1)) for c in spoken)
                 previous_end = a.end
             assert (text[~said] == TOK.pad_id).all()
             if not (listen[:, :row.answers[0].start] == silence[:, None]).all():
@@ -113,6 +114,25 @@ def test_the_clip_bank_is_cached_and_rebuilt_when_its_inputs_change(codec, bank,
     assert not all(np.array_equal(other.background[k], bank.background[k]) for k in bank.background)
     for (q, v, _b), codes in bank.noised.items():  # every noised clip is the clean one under noise
         assert codes.shape == bank.clean[(q, v)].shape and not np.array_equal(codes, bank.clean[(q, v)])
+
+
+def test_a_clip_is_encoded_as_a_one_pass_microphone_hears_it(codec, bank):
+    """A question's codes are those of one pass over [silence | question | silence], not of the question alone."""
+    from egomem.trigger.codec import FRAME_SAMPLES, encode
+
+    q, v = QUESTIONS[1], TRAIN_VOICES[0]
+    w = TTSCache()(q, v)
+    n = -(-len(w) // FRAME_SAMPLES)
+    lead, tail = bank.lead, bank.tail
+    mic = np.concatenate([np.zeros((lead + 7) * FRAME_SAMPLES), w, np.zeros((tail + 9) * FRAME_SAMPLES)])
+    one_pass = encode(codec, mic)[lead + 7:lead + 7 + n + tail]  # the clip's frames in a longer recording
+    clip = bank.clean[(q, v)]
+    assert clip.shape == (n + tail, 8) and bank.speech_frames(clip) == n
+    agree = (clip[:, 0] == one_pass[:, 0]).mean()  # the first codebook as the longer pass writes it ...
+    alone = (encode(codec, w)[:, 0] == one_pass[:n, 0]).mean()  # ... far closer than the question encoded alone
+    assert agree >= 0.85 and agree >= alone + 0.2, (agree, alone)
+    for b in range(bank.copies):
+        assert bank.noised[(q, v, b)].shape == clip.shape
 
 
 def test_collate_packs_each_row_as_the_engine_feeds_it(codec, bank):

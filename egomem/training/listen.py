@@ -21,7 +21,8 @@ voices. This stage gives the backbone those answers cheaply (`--task listen`, af
 
 Only the questions whose words are the same for everyone are drilled (`corpus.fixed_questions`: 23 of
 them, 11 kinds), so every (question, voice) pair is spoken and encoded once, into a `ClipBank`
-(clean, and `NOISED_COPIES` noised copies each over its own background), cached in the run folder. The
+(clean, and `NOISED_COPIES` noised copies each over its own background; each encoded after 2 s of silence
+with the second after it, as a microphone encoded in one pass hears it), cached in the run folder. The
 held-out rows (`held_scores`) are held-out people spoken in the held-out voices: the share of answers the
 model writes right teacher-forced and greedy (whole reply; its words around the value, i.e. the kind
 heard; the value, i.e. the fact read), and of greetings whose name it writes right.
@@ -44,6 +45,7 @@ from moshi.utils.compile import no_compile
 
 from egomem.dialog.engine import memchunk_inputs
 from egomem.dialog.tokenizer import ByteTokenizer
+from egomem.trigger.codec import FRAME_SAMPLES
 
 from .corpus import fixed_questions, greeting, make_household, own_turns
 from .forward import dialog_inputs, turn_heads
@@ -57,21 +59,31 @@ HOUSEHOLDS = 100_000  # drawn from make_household(split, HOUSEHOLD_SEED, 0..HOUS
 NOISED_COPIES = 2  # noised copies of every clip, each over its own background (one per voice and copy)
 TEXT_PAD_WEIGHT = 0.5  # as egomem finetune's default
 HEAD_TOKENS = 10  # a reply's first tokens: every fixed question's reply differs from the others' within them
-BANK_FORMAT = "egomem-listen-clips-v1"
+CLIP_LEAD_FRAMES = 25  # a question is encoded after 2 s of silence (or its noise), as the one-pass row hears it
+CLIP_TAIL_FRAMES = 12  # ... and keeps the 1 s after it: the codes of the speech's decay, not the codec's silence
+BANK_FORMAT = "egomem-listen-clips-v2"
 
 
 class ClipBank:
     """Mimi codes of every fixed question in every voice: `clean[(q, v)]` `[T, K]`, `noised[(q, v, b)]`
     over background b of that voice, whose noise-only codes are `background[(v, b)]`. Background b of voice v
     is one colour of noise (white, pink or brown) at an SNR of 0-20 dB below the voice's median question level,
-    drawn from a generator seeded by (seed, voice, b): the bank is the same on every build."""
+    drawn from a generator seeded by (seed, voice, b): the bank is the same on every build.
+
+    A clip is encoded in context, as serving's codec (and `make-corpus --listen whole`) encodes a microphone in
+    one pass: `CLIP_LEAD_FRAMES` of silence (noised: of its noise) before the question, whose codes are dropped,
+    and `tail` frames after it, whose codes are kept (`speech_frames` of a clip is its length without them).
+    Encoded alone, a question's first codebook agrees with the one-pass encoding on 0.66 of its frames
+    (docs/departures.md D26)."""
 
     def __init__(self, codec: torch.nn.Module, voices: Sequence[Voice], questions: Sequence[str], seed: int,
                  progress: bool = True, cache: Path | None = None, copies: int = NOISED_COPIES):
         from egomem.trigger.codec import codec_fingerprint
 
         self.voices, self.questions, self.copies = tuple(voices), tuple(questions), copies
+        self.lead, self.tail = CLIP_LEAD_FRAMES, CLIP_TAIL_FRAMES
         key = json.dumps({"format": BANK_FORMAT, "codec": codec_fingerprint(codec), "seed": seed, "copies": copies,
+                          "lead": self.lead, "tail": self.tail,
                           "voices": [str(v) for v in self.voices], "questions": list(self.questions)})
         self.fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.clean: dict[tuple[str, Voice], np.ndarray] = {}
@@ -89,22 +101,35 @@ class ClipBank:
         from egomem.trigger.codec import encode
         from egomem.trigger.synth import colour_noise
 
+        def in_context(w: np.ndarray, noise: np.ndarray | None = None) -> np.ndarray:
+            """The question's codes (and its tail's) from one pass over [lead | question | tail]."""
+            wav = np.concatenate([np.zeros(self.lead * FRAME_SAMPLES), w, np.zeros(self.tail * FRAME_SAMPLES)])
+            if noise is not None:
+                wav = wav + noise[:len(wav)]
+            n = -(-len(w) // FRAME_SAMPLES) + self.tail
+            return encode(codec, wav)[self.lead:self.lead + n]
+
         tts = TTSCache(max_items=len(self.questions))
         bar = tqdm(total=len(self.voices), desc="listen clips", unit="voice", disable=not progress)
         for vi, v in enumerate(self.voices):
             wavs = {q: tts(q, v) for q in self.questions}
             speech_rms = float(np.median([np.sqrt(np.mean(w ** 2)) for w in wavs.values()]))
             for q, w in wavs.items():
-                self.clean[(q, v)] = encode(codec, w)
+                self.clean[(q, v)] = in_context(w)
             for b in range(self.copies):
                 rng = np.random.default_rng([seed, vi, b])
                 colour, level = int(rng.integers(3)), speech_rms / 10 ** (rng.uniform(0.0, 20.0) / 20)
-                noise = colour_noise(rng, NOISE_CLIP_FRAMES * 1920, colour) * level
+                noise = colour_noise(rng, NOISE_CLIP_FRAMES * FRAME_SAMPLES, colour) * level
                 self.background[(v, b)] = encode(codec, noise)[3:]  # past the codec's warm-up frames
                 for q, w in wavs.items():
-                    self.noised[(q, v, b)] = encode(codec, w + colour_noise(rng, len(w), colour) * level)
+                    span = (self.lead + self.tail) * FRAME_SAMPLES + len(w)
+                    self.noised[(q, v, b)] = in_context(w, colour_noise(rng, span, colour) * level)
             bar.update(1)
         bar.close()
+
+    def speech_frames(self, clip: np.ndarray) -> int:
+        """The frames of a clip's question, without the tail encoded after it."""
+        return len(clip) - self.tail
 
     def _save(self, path: Path) -> None:
         arrays = {f"c{i}": self.clean[(q, v)] for i, (q, v) in enumerate(self._clean_keys())}
@@ -196,7 +221,7 @@ class ListenRows:
             if turn.user:
                 codes = self.bank.clean[(turn.user, voice)] if copy is None else self.bank.noised[(turn.user, voice, copy)]
                 heard.append((t, codes))
-                t += len(codes) + r.randint(*s.reply_gap)
+                t += self.bank.speech_frames(codes) + r.randint(*s.reply_gap)
             ids = self.tok.encode(turn.reply)
             value = (turn.names or turn.facts or ("",))[0]
             a = turn.reply.find(value) if value else -1
@@ -217,7 +242,8 @@ class ListenRows:
             stream[9:] = np.concatenate([bg] * (-(-(T + a0) // len(bg))))[a0:a0 + T].T
         for at, ids in text:
             stream[0, at:at + len(ids)] = ids
-        for at, codes in heard:
+        for at, codes in heard:  # a clip's tail runs on under the reply (cut where the row ends)
+            codes = codes[:T - at]
             stream[9:, at:at + len(codes)] = codes.T
         return ListenRow(self.tok.encode(self.texts.l1(p.user_id)), stream, answers)
 
