@@ -80,6 +80,11 @@ def test_a_row_asks_spoken_questions_and_answers_them_from_its_profile(codec, ba
                                                             for i in range(len(heard) - len(c) + 1)) for c in spoken)
                 previous_end = a.end
             assert (text[~said] == TOK.pad_id).all()
+            assert len(row.spoken) == sum(not a.greeting for a in row.answers)  # what was said, where, by whom
+            for at, q in row.spoken:
+                clip = bank.clean[(q, row.voice)] if row.noise_copy is None else bank.noised[(q, row.voice, row.noise_copy)]
+                n = bank.speech_frames(clip)
+                assert (listen[:, at:at + n].T == clip[:n]).all()
             if not (listen[:, :row.answers[0].start] == silence[:, None]).all():
                 noised += 1  # a noised row's background is noise, not the codec's silence
         assert asked >= 24 and greeted >= 4 and 4 <= noised <= 20

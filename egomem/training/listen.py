@@ -34,7 +34,7 @@ import hashlib
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -176,6 +176,9 @@ class ListenRow:
     chunk: list[int]  # the L1 text's token ids
     stream: np.ndarray  # [17, T] aligned dialog frames (text, 8 speak, 8 listen)
     answers: list[Answer]
+    voice: Voice | None = None  # who asks the questions ...
+    noise_copy: int | None = None  # ... over which of the bank's backgrounds (None: clean)
+    spoken: list[tuple[int, str]] = field(default_factory=list)  # (tick, question): what the listen rows hold
 
 
 class ListenRows:
@@ -245,7 +248,8 @@ class ListenRows:
         for at, codes in heard:  # a clip's tail runs on under the reply (cut where the row ends)
             codes = codes[:T - at]
             stream[9:, at:at + len(codes)] = codes.T
-        return ListenRow(self.tok.encode(self.texts.l1(p.user_id)), stream, answers)
+        spoken = [(at, turn.user) for (at, _), turn in zip(heard, [x for x in turns if x.user], strict=True)]
+        return ListenRow(self.tok.encode(self.texts.l1(p.user_id)), stream, answers, voice, copy, spoken)
 
 
 @dataclass
