@@ -43,6 +43,11 @@ Every stage runs through the product's own commands (`egomem make-corpus`, `egom
                                                                   # drawn at T = 1 (docs/training.md#when-to-speak)
     ... the same with --return-visit 1.0 --temperature 0 --work runs/s37b \
         --out bench/results/bench_finetune_return1_starts.json    # every main user returning; greedy passes only
+    ... the same as _return1_starts, --listen whole --work runs/s43/card \
+        --out bench/results/bench_finetune_ctxdrills.json         # session 43: rows encoded whole, in-context
+                                                                  # listening drills, every stage rebuilt
+    ... the same with --turn-head-weight 4 --work runs/s43/thw4 \
+        --out bench/results/bench_finetune_ctxdrills_thw4.json    # its stages copied in: the fine-tune again
 
 --copy-backbone N first trains the tiny preset for N steps on synthetic reading drills only
 (`egomem train-backbone`: letter words, random speech codes, never a dialog or a name of the corpus;
