@@ -5,7 +5,7 @@ The drills (`egomem train-backbone --task listen`) splice per-question clips int
 people, the 6 held-out voices, the training run's own held-out generator), re-encodes each row's listen channel
 whole (its questions laid out at their ticks as one waveform; a noised row under one background of the clip's
 colour at 0-20 dB below the voice's median question level) and scores the backbone on both versions of the same
-rows (`listen.held_scores`: answer, form = the question heard, value = the fact read; `form_after_start`: form
+rows (`listen.held_scores`: answer, form = the question heard, value = the fact read; form_after_start = form
 without the reply's first byte, which is when to speak), clean and noised apart:
 
     python bench/diag_drills_whole.py runs/s43/card/listen_backbone.safetensors --bank runs/s43/card/listen_backbone
@@ -33,7 +33,7 @@ from egomem.config import MimiConfig  # noqa: E402
 from egomem.dialog.checkpoint import build_lm  # noqa: E402
 from egomem.training.backbone import HELD_SEED  # noqa: E402
 from egomem.training.corpus import fixed_questions  # noqa: E402
-from egomem.training.listen import ClipBank, ListenRow, ListenRows, collate, held_scores, text_logits  # noqa: E402
+from egomem.training.listen import ClipBank, ListenRow, ListenRows, collate, held_scores  # noqa: E402
 from egomem.training.streams import silence_code  # noqa: E402
 from egomem.training.tts import HELDOUT_VOICES, TTSCache  # noqa: E402
 from egomem.trigger.codec import FRAME_SAMPLES, build_codec, encode  # noqa: E402
@@ -54,22 +54,6 @@ def whole(codec: torch.nn.Module, row: ListenRow, tts: TTSCache, rng: np.random.
     stream = row.stream.copy()
     stream[9:] = encode(codec, wav)[:T].T
     return ListenRow(row.chunk, stream, row.answers, row.voice, row.noise_copy, row.spoken)
-
-
-@torch.no_grad()
-def after_start(lm: torch.nn.Module, batches: list) -> float:
-    """The share of replies whose bytes outside the value are right from the second on (teacher-forced): the
-    question heard, whatever the model's turn-start timing (the first byte is when to speak)."""
-    hits = []
-    for batch in batches:
-        right = (text_logits(lm, batch).argmax(-1) == batch.targets).numpy()
-        for i, (c, answers) in enumerate(zip(batch.offsets, batch.answers, strict=True)):
-            for a in answers:
-                if not a.greeting:
-                    ok = right[i, c + a.start:c + a.end].copy()
-                    ok[a.value_start - a.start:a.value_end - a.start] = True
-                    hits.append(bool(ok[1:].all()))
-    return float(np.mean(hits))
 
 
 def main() -> int:
@@ -93,7 +77,7 @@ def main() -> int:
         wholes = [whole(codec, x, tts, rng) for x in spliced]
         for name, got in (("spliced", spliced), ("whole", wholes)):
             batches = [collate(lm, got[i:i + 16]) for i in range(0, len(got), 16)]
-            out[f"{cond}_{name}"] = held_scores(lm, batches) | {"form_after_start": after_start(lm, batches)}
+            out[f"{cond}_{name}"] = held_scores(lm, batches)
             print(cond, name, {k: round(v, 3) for k, v in out[f"{cond}_{name}"].items()}, flush=True)
         agree = [float((a.stream[9] == b.stream[9]).mean()) for a, b in zip(spliced, wholes, strict=True)]
         out[f"{cond}_first_codebook_agreement"] = float(np.mean(agree))

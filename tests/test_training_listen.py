@@ -203,12 +203,16 @@ def test_held_scores_count_whole_replies_their_form_and_their_value(codec, bank)
         rows.close()
     greet, first, second = b.answers[0]
     c = b.offsets[0]
-    assert held_scores(_Scripted(b.targets), [b]) == {"answer": 1.0, "form": 1.0, "value": 1.0, "greeting": 1.0}
+    assert held_scores(_Scripted(b.targets), [b]) == {"answer": 1.0, "form": 1.0, "form_after_start": 1.0,
+                                                      "value": 1.0, "greeting": 1.0}
     wrong = b.targets.clone()
     wrong[0, c + first.value_start] += 1  # a wrong byte in the first answer's value
     wrong[0, c + second.start] += 1  # and in the second answer's words
     wrong[0, c + greet.value_start] += 1  # and in the greeted name
-    assert held_scores(_Scripted(wrong), [b]) == {"answer": 0.0, "form": 0.5, "value": 0.5, "greeting": 0.0}
+    assert held_scores(_Scripted(wrong), [b]) == {"answer": 0.0, "form": 0.5, "form_after_start": 1.0,  # first byte
+                                                  "value": 0.5, "greeting": 0.0}
+    wrong[0, c + second.start + 1] += 1  # a wrong byte after the first of the second answer's words
+    assert held_scores(_Scripted(wrong), [b])["form_after_start"] == 0.5
 
 
 def test_head_weight_weights_the_first_ten_bytes_of_every_reply(codec, bank):
@@ -242,7 +246,8 @@ def test_the_listen_stage_trains_from_weights_and_resumes_bit_exactly(tmp_path):
 
     save_file({k: v.contiguous() for k, v in build_lm("tiny", seed=9, **SMALL).state_dict().items()}, str(start))
     whole = train_backbone(listen_config(tmp_path / "whole", start), progress=False)
-    assert whole.complete and set(whole.held) == {"held_answer", "held_form", "held_value", "held_greeting"}
+    assert whole.complete and set(whole.held) == {"held_answer", "held_form", "held_form_after_start",
+                                                  "held_value", "held_greeting"}
     records = [json.loads(x) for x in (tmp_path / "whole" / "loss.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 7)) and "held_form" in records[2]
     card = json.loads((tmp_path / "whole" / "model_card.json").read_text())

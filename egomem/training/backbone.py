@@ -22,7 +22,7 @@ profile) is used, so no held-out person leaks into training. Rows come from one 
 A second stage, `--task listen --weights <the copying backbone>`, trains on listening drills: short Level-1
 dialogs whose questions are spoken in the training voices, the answers written from the profile in the chunk
 (egomem/training/listen.py: the answers a 30-minute fine-tune has too few of). Its held-out scores
-(`held_answer`, `held_form`, `held_value`, `held_greeting`) are on held-out people in held-out voices.
+(`held_answer`, `held_form`, `held_form_after_start`, `held_value`, `held_greeting`) are on held-out people in held-out voices.
 
 Files under `out/`: `lm.safetensors` (a plain LMModel state dict: `egomem finetune --weights`, or
 `dialog.weights`), `model_card.json`, `loss.jsonl` (a record per step, the held-out scores on evaluation

@@ -45,7 +45,8 @@ from moshi.utils.compile import no_compile
 
 from egomem.dialog.engine import memchunk_inputs
 from egomem.dialog.tokenizer import ByteTokenizer
-from egomem.trigger.codec import FRAME_SAMPLES
+from egomem.trigger.codec import FRAME_SAMPLES, codec_fingerprint, encode
+from egomem.trigger.synth import colour_noise
 
 from .corpus import fixed_questions, greeting, make_household, own_turns
 from .forward import dialog_inputs, turn_heads
@@ -78,8 +79,6 @@ class ClipBank:
 
     def __init__(self, codec: torch.nn.Module, voices: Sequence[Voice], questions: Sequence[str], seed: int,
                  progress: bool = True, cache: Path | None = None, copies: int = NOISED_COPIES):
-        from egomem.trigger.codec import codec_fingerprint
-
         self.voices, self.questions, self.copies = tuple(voices), tuple(questions), copies
         self.lead, self.tail = CLIP_LEAD_FRAMES, CLIP_TAIL_FRAMES
         key = json.dumps({"format": BANK_FORMAT, "codec": codec_fingerprint(codec), "seed": seed, "copies": copies,
@@ -97,9 +96,6 @@ class ClipBank:
 
     def _build(self, codec: torch.nn.Module, seed: int, progress: bool) -> None:
         from tqdm import tqdm
-
-        from egomem.trigger.codec import encode
-        from egomem.trigger.synth import colour_noise
 
         def in_context(w: np.ndarray, noise: np.ndarray | None = None) -> np.ndarray:
             """The question's codes (and its tail's) from one pass over [lead | question | tail]."""
@@ -219,11 +215,13 @@ class ListenRows:
         t = r.randint(*s.lead_in)
         text: list[tuple[int, list[int]]] = []  # (tick, ids)
         heard: list[tuple[int, np.ndarray]] = []  # (tick, codes)
+        spoken: list[tuple[int, str]] = []  # (tick, question)
         answers: list[Answer] = []
         for turn in turns:
             if turn.user:
                 codes = self.bank.clean[(turn.user, voice)] if copy is None else self.bank.noised[(turn.user, voice, copy)]
                 heard.append((t, codes))
+                spoken.append((t, turn.user))
                 t += self.bank.speech_frames(codes) + r.randint(*s.reply_gap)
             ids = self.tok.encode(turn.reply)
             value = (turn.names or turn.facts or ("",))[0]
@@ -248,7 +246,6 @@ class ListenRows:
         for at, codes in heard:  # a clip's tail runs on under the reply (cut where the row ends)
             codes = codes[:T - at]
             stream[9:, at:at + len(codes)] = codes.T
-        spoken = [(at, turn.user) for (at, _), turn in zip(heard, [x for x in turns if x.user], strict=True)]
         return ListenRow(self.tok.encode(self.texts.l1(p.user_id)), stream, answers, voice, copy, spoken)
 
 
@@ -302,10 +299,11 @@ def loss(lm: LMModel, batch: ListenBatch, head_weight: float = 1.0) -> torch.Ten
 @torch.no_grad()
 def held_scores(lm: LMModel, held: Sequence[ListenBatch]) -> dict[str, float]:
     """Teacher-forced greedy scores of held-out rows: `answer` (every byte of the reply right), `form` (its bytes
-    outside the value: the question heard), `value` (the value's bytes: the fact read) and `greeting` (the
-    greeted name's bytes), each the share of replies of that kind."""
+    outside the value: the question heard), `form_after_start` (the same from the reply's second byte: the
+    question heard, whatever the turn-start timing its first byte carries), `value` (the value's bytes: the fact
+    read) and `greeting` (the greeted name's bytes), each the share of replies of that kind."""
     lm.eval()
-    hits = {"answer": [], "form": [], "value": [], "greeting": []}
+    hits = {"answer": [], "form": [], "form_after_start": [], "value": [], "greeting": []}
     for batch in held:
         right = (text_logits(lm, batch).argmax(-1) == batch.targets).numpy()
         for i, (c, answers) in enumerate(zip(batch.offsets, batch.answers, strict=True)):
@@ -316,7 +314,10 @@ def held_scores(lm: LMModel, held: Sequence[ListenBatch]) -> dict[str, float]:
                     hits["greeting"].append(bool(val.all()))
                     continue
                 hits["answer"].append(bool(ok.all()))
-                hits["form"].append(bool(np.delete(ok, np.s_[a.value_start - a.start:a.value_end - a.start]).all()))
+                words = ok.copy()
+                words[a.value_start - a.start:a.value_end - a.start] = True
+                hits["form"].append(bool(words.all()))
+                hits["form_after_start"].append(bool(words[1:].all()))
                 hits["value"].append(bool(val.all()))
     lm.train()
     return {k: float(np.mean(v)) if v else float("nan") for k, v in hits.items()}
