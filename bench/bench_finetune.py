@@ -131,6 +131,9 @@ def main() -> int:
     p.add_argument("--drill-random-l1", type=float, default=0.0, help="egomem finetune --drill-random-l1")
     p.add_argument("--drill-span", type=int, nargs=2, default=(24, 120), help="egomem finetune --drill-span")
     p.add_argument("--turn-head-weight", type=float, default=1.0, help="egomem finetune --turn-head-weight")
+    p.add_argument("--speak-dropout", type=float, default=0.0, help="egomem finetune --speak-dropout")
+    p.add_argument("--listen-drills", type=float, default=0.0, help="egomem finetune --listen-drills (with "
+                   "--listen-backbone its clip bank is reused)")
     p.add_argument("--context", choices=["stream", "dialog"], default="stream",
                    help="egomem finetune --context; 'dialog' evaluates with eval-dialog --new-person restart")
     p.add_argument("--served-fps", action="store_true", help="also time dialog_lm on a real tritonserver")
@@ -180,7 +183,10 @@ def main() -> int:
                                      "--drill-random-l1", str(args.drill_random_l1),
                                      "--drill-span", *map(str, args.drill_span),
                                      "--turn-head-weight", str(args.turn_head_weight), "--context", args.context,
-                                     *resume,
+                                     "--listen-drills", str(args.listen_drills), "--speak-dropout",
+                                     str(args.speak_dropout), *resume,
+                                     *(["--listen-bank", str(w / "listen_backbone" / "listen_clips_train.npz")]
+                                       if args.listen_drills and args.listen_backbone else []),
                                      *(["--weights", str(args.init_weights)] if args.init_weights else []))
     model_args = ["eval-dialog", "--data", str(heldout), "--weights", str(run / "lm.safetensors"), "--name",
                   "finetuned", "--judge", "rules", "--seed", str(args.seed),

@@ -11,6 +11,9 @@ without the reply's first byte, which is when to speak), clean and noised apart:
     python bench/diag_drills_whole.py runs/s43/card/listen_backbone.safetensors --bank runs/s43/card/listen_backbone
     python bench/diag_drills_whole.py runs/s43/card/run/lm.safetensors --bank runs/s43/card/listen_backbone \
         --out bench/results/diag_drills_whole_finetuned.json          # the model fine-tuned from it
+    python bench/diag_drills_whole.py runs/s44/ld/run/lm.safetensors --bank runs/s43/card/listen_backbone \
+        --layout serving --out bench/results/diag_drills_whole_listendrills_serving.json
+                                       # the same rows as serving lays them out (L1 padded to 512, empty L2)
 
 Writes `bench/results/diag_drills_whole.json`.
 """
@@ -18,6 +21,7 @@ Writes `bench/results/diag_drills_whole.json`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -29,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from egomem.config import MimiConfig  # noqa: E402
+from egomem.config import DialogConfig, MimiConfig  # noqa: E402
 from egomem.dialog.checkpoint import build_lm  # noqa: E402
 from egomem.training.backbone import HELD_SEED  # noqa: E402
 from egomem.training.corpus import fixed_questions  # noqa: E402
@@ -53,7 +57,7 @@ def whole(codec: torch.nn.Module, row: ListenRow, tts: TTSCache, rng: np.random.
         wav = wav + colour_noise(rng, len(wav), int(rng.integers(3))) * level
     stream = row.stream.copy()
     stream[9:] = encode(codec, wav)[:T].T
-    return ListenRow(row.chunk, stream, row.answers, row.voice, row.noise_copy, row.spoken)
+    return dataclasses.replace(row, stream=stream)
 
 
 def main() -> int:
@@ -61,6 +65,9 @@ def main() -> int:
     p.add_argument("weights", type=Path, help="a listening backbone's lm.safetensors")
     p.add_argument("--bank", type=Path, required=True, help="its run folder (holds listen_clips_heldout.npz)")
     p.add_argument("--rows", type=int, default=96, help="rows per condition")
+    p.add_argument("--layout", choices=("short", "serving"), default="short", help="the rows as the listening stage "
+                   "lays them out (the bare L1 text before the dialog) or as serving and egomem finetune "
+                   "--listen-drills do (L1 padded to 512 steps, an empty 256-step L2)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "diag_drills_whole.json")
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -68,7 +75,8 @@ def main() -> int:
     lm = build_lm("tiny", weights=str(args.weights))
     bank = ClipBank(codec, HELDOUT_VOICES, fixed_questions(), HELD_SEED, True, args.bank / "listen_clips_heldout.npz")
     tts, rng = TTSCache(), np.random.default_rng(0)
-    out: dict = {"weights": str(args.weights), "rows_per_condition": args.rows}
+    layout = None if args.layout == "short" else (DialogConfig.l1_steps, DialogConfig.l2_steps)
+    out: dict = {"weights": str(args.weights), "rows_per_condition": args.rows, "layout": args.layout}
     for cond, noised_p in (("clean", 0.0), ("noised", 1.0)):
         rows = ListenRows(bank, "heldout", silence_code(codec), (3, 5), 0.3, noised_p)
         r = random.Random(f"diag-drills-whole/{cond}")
@@ -76,7 +84,7 @@ def main() -> int:
         rows.close()
         wholes = [whole(codec, x, tts, rng) for x in spliced]
         for name, got in (("spliced", spliced), ("whole", wholes)):
-            batches = [collate(lm, got[i:i + 16]) for i in range(0, len(got), 16)]
+            batches = [collate(lm, got[i:i + 16], layout) for i in range(0, len(got), 16)]
             out[f"{cond}_{name}"] = held_scores(lm, batches)
             print(cond, name, {k: round(v, 3) for k, v in out[f"{cond}_{name}"].items()}, flush=True)
         agree = [float((a.stream[9] == b.stream[9]).mean()) for a, b in zip(spliced, wholes, strict=True)]

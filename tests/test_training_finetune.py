@@ -424,3 +424,137 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     args.config = None
     assert run_finetune(args) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- listening drills (--listen-drills)
+
+LISTEN_N1 = 96  # an L1 long enough for a profile's name and first facts
+LISTEN_MODEL = TINY | dict(card=2048, context=LISTEN_N1 + N2 + 200)  # Mimi's codes; a drill row's ~90-230 ticks
+LISTEN_QUESTIONS = ("Where do I live again?", "What do I do for work?", "What pet do I have?")
+
+
+@pytest.fixture(scope="module")
+def listen_rows():
+    from egomem.config import MimiConfig
+    from egomem.training.listen import ClipBank, ListenRows
+    from egomem.training.streams import silence_code
+    from egomem.training.tts import TRAIN_VOICES
+    from egomem.trigger.codec import build_codec
+
+    codec = build_codec(MimiConfig())
+    bank = ClipBank(codec, TRAIN_VOICES[:1], LISTEN_QUESTIONS, seed=0, progress=False)
+    rows = ListenRows(bank, "train", silence_code(codec), (2, 3), greeting_p=0.3, noised_p=0.5, l1_bytes=LISTEN_N1)
+    yield rows
+    rows.close()
+
+
+def _listen_data(seed: int) -> MemData:
+    data = _data()
+    data.manifest["n1"] = LISTEN_N1
+    g = np.random.default_rng(seed)
+    for v in data.streams.values():
+        v[1:] = g.integers(0, 32, v[1:].shape)
+    return data
+
+
+def test_a_listening_drill_is_a_level1_sample_in_the_serving_layout(listen_rows):
+    """A drill row enters the fine-tune as the serving engine would feed it: its profile in the L1 chunk, the L2
+    chunk empty, the dialog (the user's spoken question on the listen rows) after both; the text channel is
+    supervised over the whole dialog, the speak codebooks not at all. `listen.collate` in the serving layout
+    (what bench/diag_drills_whole.py --layout serving scores) gives the fine-tune's own text logits."""
+    import random
+
+    from egomem.training.listen import collate, text_logits
+
+    model = build_lm("tiny", seed=0, **LISTEN_MODEL)
+    row = listen_rows.row(random.Random(5))
+    sample, tokens = row.as_sample()
+    assert sample.l1_text.startswith("name: ") and sample.l2_text == "" and sample.generator == "listen-drill"
+    assert TOK.encode(sample.l1_text) == row.chunk and len(row.chunk) <= LISTEN_N1
+    batch = make_batch(model, TOK, [(sample, tokens)], LISTEN_N1, N2)
+    T = tokens.shape[1]
+    l1 = memchunk_inputs(model, row.chunk, LISTEN_N1)
+    assert torch.equal(batch.chunks[0, :, :LISTEN_N1], l1)
+    assert torch.equal(batch.chunks[0, :, LISTEN_N1:], memchunk_inputs(model, [], N2))
+    assert torch.equal(batch.stream[0, :, :T], torch.from_numpy(tokens))
+    assert batch.text_mask[0, :T].all() and not batch.speak_mask.any()
+    tick, question = row.spoken[0]
+    assert question in LISTEN_QUESTIONS and not np.array_equal(tokens[9:, tick], tokens[9:, 0])
+    with torch.no_grad(), no_compile():  # the listening stage's scorer, told the serving layout, sees the same
+        out = forward(model, batch.chunks, batch.stream)
+        packed = collate(model, [row], (LISTEN_N1, N2))
+        assert packed.offsets == [LISTEN_N1 + N2]
+        torch.testing.assert_close(text_logits(model, packed)[0, LISTEN_N1 + N2:], out.text_logits[0, :T])
+
+
+def test_listen_drills_replace_rows_and_resume_bit_exactly(tmp_path, listen_rows):
+    """--listen-drills 1: every row is a drill, so the corpus rows no longer matter (two datasets train the same
+    weights); 0.5: a resumed run draws exactly the drills an uninterrupted one did."""
+    a, b = _listen_data(1), _listen_data(2)
+    cfg = dict(model_overrides=LISTEN_MODEL, steps=4)
+    runs = {(p, name): load_file(str(finetune(_cfg(tmp_path, f"{p}-{name}", listen_drills=p, **cfg), d,
+                                              progress=False, listen=listen_rows)))
+            for p in (0.0, 1.0) for name, d in (("a", a), ("b", b))}
+    same = runs[1.0, "a"], runs[1.0, "b"]
+    assert all(torch.equal(same[0][k], same[1][k]) for k in same[0])
+    plain = runs[0.0, "a"], runs[0.0, "b"]
+    assert any(not torch.equal(plain[0][k], plain[1][k]) for k in plain[0])
+    whole = load_file(str(finetune(_cfg(tmp_path, "half", listen_drills=0.5, **cfg), a, progress=False,
+                                   listen=listen_rows)))
+    assert any(not torch.equal(whole[k], runs[0.0, "a"][k]) for k in whole)
+    finetune(_cfg(tmp_path, "part", listen_drills=0.5, stop_after=2, **cfg), a, progress=False, listen=listen_rows)
+    resumed = load_file(str(finetune(_cfg(tmp_path, "part", listen_drills=0.5, resume=True, **cfg), a,
+                                     progress=False, listen=listen_rows)))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    with pytest.raises(ValueError, match=r"listen_drills must be in \[0, 1\]"):
+        finetune(_cfg(tmp_path, "bad", listen_drills=1.5), a, progress=False, listen=listen_rows)
+
+
+def test_listen_drills_refuse_a_codec_the_dataset_was_not_made_with(tmp_path, capsys, monkeypatch):
+    """The drills are spoken through the config's codec; a dataset encoded by another is refused by name."""
+    from egomem.training.dataset import write_dataset
+
+    monkeypatch.delenv("EGOMEM_CONFIG", raising=False)
+    mem = _data()  # its manifest says codec "test"
+    manifest = {k: mem.manifest[k] for k in ("n1", "n2", "tokenizer", "codec", "seed")}
+    write_dataset(tmp_path / "ds", manifest, [], [], mem.streams, mem.samples)
+    p = argparse.ArgumentParser()
+    add_finetune_args(p)
+    args = p.parse_args(["--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--listen-drills", "0.5",
+                         "--no-progress"])
+    args.config = None
+    assert run_finetune(args) == 2
+    err = capsys.readouterr().err
+    assert "encoded by codec test" in err and "[mimi]" in err
+    assert not (tmp_path / "run" / "listen_clips_train.npz").exists()  # refused before any clip was spoken
+
+
+def test_speak_dropout_silences_the_speak_rows_and_their_loss(tmp_path):
+    """--speak-dropout 1: every corpus row trains with the codec's silence on its speak rows and no speak loss,
+    so two datasets that differ only in what the model said train the same weights (and differ at 0); 0.5
+    resumes bit-exactly. Without a silence code the trainer refuses the setting."""
+    from egomem.training.finetune import _Trainer
+
+    a = _data()
+    b = MemData(a.samples, {k: v.copy() for k, v in a.streams.items()})
+    for v in b.streams.values():
+        v[1:9] = (v[1:9] + 7) % TINY["card"]
+    silence = np.arange(8, dtype=np.int64)
+    runs = {(p, name): load_file(str(finetune(_cfg(tmp_path, f"{p}-{name}", steps=4, speak_dropout=p), d,
+                                              progress=False, silence=silence)))
+            for p in (0.0, 1.0) for name, d in (("a", a), ("b", b))}
+    assert all(torch.equal(runs[1.0, "a"][k], runs[1.0, "b"][k]) for k in runs[1.0, "a"])
+    assert any(not torch.equal(runs[0.0, "a"][k], runs[0.0, "b"][k]) for k in runs[0.0, "a"])
+    t = _Trainer(_cfg(tmp_path, "rows", speak_dropout=1.0), a, torch.device("cpu"), torch.float32, silence=silence)
+    sample, tokens = t._speak_dropout(0, a.samples[0], a.tokens(a.samples[0].stream))
+    assert sample.speak == () and sample.text == a.samples[0].text
+    assert (tokens[1:9] == silence[:, None]).all() and np.array_equal(tokens[[0, *range(9, 17)]],
+                                                                     a.tokens(a.samples[0].stream)[[0, *range(9, 17)]])
+    whole = load_file(str(finetune(_cfg(tmp_path, "half", steps=4, speak_dropout=0.5), a, progress=False,
+                                   silence=silence)))
+    finetune(_cfg(tmp_path, "part", steps=4, speak_dropout=0.5, stop_after=2), a, progress=False, silence=silence)
+    resumed = load_file(str(finetune(_cfg(tmp_path, "part", steps=4, speak_dropout=0.5, resume=True), a,
+                                     progress=False, silence=silence)))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    with pytest.raises(ValueError, match="silence code"):
+        _Trainer(_cfg(tmp_path, "none", speak_dropout=0.5), a, torch.device("cpu"), torch.float32)

@@ -53,7 +53,7 @@ from egomem.dialog.presets import lm_kwargs
 from egomem.dialog.tokenizer import ByteTokenizer
 
 from .finetune import run_checkpoint
-from .listen import ListenTask
+from .listen import GREETING_P, NOISED_P, ListenTask
 
 STATE_FORMAT = "egomem-backbone-state-v1"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -83,8 +83,8 @@ class BackboneConfig:
     dialog: int = 48  # dialog ticks
     span: tuple[int, int] = (40, 46)  # tokens a drill writes (at most dialog - 2)
     questions: tuple[int, int] = (3, 5)  # listen: spoken questions per row (min, max): more answers per chunk
-    greeting_p: float = 0.3  # listen: a row opens with the model's greeting
-    noised_p: float = 0.5  # listen: a row is heard through background noise
+    greeting_p: float = GREETING_P  # listen: a row opens with the model's greeting
+    noised_p: float = NOISED_P  # listen: a row is heard through background noise
     voices: int = 0  # listen: speak in the first N training and held-out voices only (0: all; a quick run)
     listen_emb: str = "codec"  # listen: the listen rows' embeddings drawn from the codec ("codec") or kept ("keep")
     head_weight: float = 4.0  # listen: loss weight of each reply's first tokens (listen.HEAD_TOKENS)

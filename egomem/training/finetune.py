@@ -8,7 +8,9 @@ then cosine decay to `min_lr` (the issue: "cosine LR schedule as §4.2"; docs do
 so warmup defaults to moshi-finetune's 5 % of the steps). One forward = `egomem.training.forward.forward`
 over `[L1 | L2 | dialog]`, proven equal to the serving engine (tests/test_training_parity.py). With
 `--fresh-names` / `--drills` rows are transformed on the fly so that reading the MemChunk is the only way
-to lower their loss (egomem/training/drills.py).
+to lower their loss (egomem/training/drills.py); with `--listen-drills` a share of the rows are listening
+drills instead (spoken questions about the L1 profile, answered: egomem/training/listen.py), so the hearing
+the listening stage taught is trained on, in the serving layout, while the corpus is learnt.
 
 Files under `out/`: `lm.safetensors` (a plain LMModel state dict, LoRA merged: what `dialog.weights` and
 `build_lm(weights=...)` load), `model_card.json`, `loss.jsonl` (one record per step and per evaluation),
@@ -36,12 +38,14 @@ import torch
 from moshi.models.lm import LMModel
 from moshi.utils.compile import no_compile
 
+from egomem.config import MimiConfig
 from egomem.dialog.checkpoint import DTYPES, CheckpointError, build_lm
 from egomem.dialog.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 
 from .batch import SampleError, SampleOrder, from_dialog_start, make_batch, validate_samples
 from .drills import DrillMix, check_tokenizer
 from .forward import forward, masked_loss
+from .listen import ListenRow, finetune_rows
 from .lora import LoraScope, apply_lora, merged_state_dict
 from .types import Sample, to_json
 
@@ -50,7 +54,7 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = "egomem-finetune-state-v1"
 # config fields a resumed run may change (where things live and how often to report); all others must match
 RESUME_FREE = {"data", "out", "init_weights", "resume", "stop_after", "ckpt_every", "eval_every", "eval_data",
-               "eval_samples", "threads", "device"}
+               "eval_samples", "threads", "device", "listen_bank"}
 
 
 @dataclass
@@ -93,6 +97,13 @@ class TrainConfig:
     drills: float = 0.0  # per row: make it a reading drill (writes a span of its L1 text)
     drill_random_l1: float = 0.0  # per drill: read random pseudo-words instead of the profile
     drill_span: tuple[int, int] = (24, 120)  # drill length in bytes
+    listen_drills: float = 0.0  # per row: replace it with a listening drill (listen.py; byte tokenizer)
+    listen_questions: tuple[int, int] = (2, 3)  # spoken questions per listening drill (min, max)
+    listen_voices: int = 0  # the drills speak in the first N training voices only (0: all 192)
+    listen_bank: Path | None = None  # the drills' clip-bank cache; None = out/listen_clips_train.npz
+    # per corpus row: its speak rows replaced by the codec's silence and its speak loss dropped, so what the model
+    # hears and answers does not hang on its own speech being the corpus's (when served, it is the model's own)
+    speak_dropout: float = 0.0
     ckpt_every: int = 100  # steps between resumable checkpoints (also written when a run stops)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     resume: bool = False  # continue the run in out/ckpt (refused otherwise when one exists)
@@ -169,6 +180,12 @@ def _check_config(cfg: TrainConfig) -> None:
         bad.append(f"turn_head_weight must be positive and turn_head_tokens >= 0 (got {cfg.turn_head_weight}, "
                    f"{cfg.turn_head_tokens})")
     bad += drill_mix(cfg).check()
+    bad += [f"{k} must be in [0, 1] (got {getattr(cfg, k)})" for k in ("listen_drills", "speak_dropout")
+            if not 0 <= getattr(cfg, k) <= 1]
+    if not 1 <= cfg.listen_questions[0] <= cfg.listen_questions[1]:
+        bad.append(f"listen_questions must satisfy 1 <= MIN <= MAX (got {cfg.listen_questions})")
+    if cfg.listen_voices < 0:
+        bad.append(f"listen_voices must be >= 0 (got {cfg.listen_voices})")
     if bad:
         raise ValueError("bad fine-tuning config: " + "; ".join(bad))
 
@@ -252,11 +269,33 @@ def _plot(records: list[dict[str, Any]], png: Path, title: str) -> None:
     plt.close(fig)
 
 
+class ListenSource(Protocol):
+    """Where listening drills come from: `listen.ListenRows` (`listen.finetune_rows` builds the run's)."""
+
+    def row(self, r: random.Random) -> ListenRow: ...
+
+    def close(self) -> None: ...
+
+
+def listen_source(cfg: TrainConfig, manifest: dict[str, Any], mimi: MimiConfig | None, progress: bool
+                  ) -> ListenSource:
+    """The run's listening drills, spoken through the codec of `mimi` (default: the offline default), which must
+    be the one the dataset was encoded with."""
+    from egomem.trigger.codec import build_codec
+
+    return finetune_rows(build_codec(mimi or MimiConfig()), manifest.get("codec"), cfg.seed, cfg.listen_voices or None,
+                         tuple(cfg.listen_questions), int(manifest["n1"]),
+                         Path(cfg.listen_bank) if cfg.listen_bank else Path(cfg.out) / "listen_clips_train.npz",
+                         progress)
+
+
 class _Trainer:
     """The state of one run: model, fp32 master weights, optimiser, schedule, sample order, step."""
 
-    def __init__(self, cfg: TrainConfig, data: DataSource, device: torch.device, dtype: torch.dtype):
-        self.cfg, self.data, self.device, self.dtype = cfg, data, device, dtype
+    def __init__(self, cfg: TrainConfig, data: DataSource, device: torch.device, dtype: torch.dtype,
+                 listen: ListenSource | None = None, silence: np.ndarray | None = None):
+        self.cfg, self.data, self.device, self.dtype, self.listen = cfg, data, device, dtype, listen
+        self.silence = silence  # [8] the codec's silence code (speak_dropout)
         man = data.manifest
         try:
             self.n1, self.n2 = int(man["n1"]), int(man["n2"])
@@ -278,8 +317,12 @@ class _Trainer:
         if cfg.context == "dialog" and not callable(getattr(data, "conversation_starts", None)):
             raise ValueError("context='dialog' needs the dataset's stream layouts (a dataset folder: layouts.jsonl)")
         self.drills = drill_mix(cfg)
-        if self.drills.active:
+        if self.drills.active or cfg.listen_drills:
             check_tokenizer(self.tokenizer)
+        if cfg.listen_drills and listen is None:
+            raise ValueError("listen_drills needs a source of listening drills (train() builds it from the codec)")
+        if cfg.speak_dropout and silence is None:
+            raise ValueError("speak_dropout needs the codec's silence code (train() takes it from the codec)")
         if cfg.lora:
             apply_lora(lm, cfg.lora_rank, cfg.lora_alpha, cfg.seed, cfg.lora_scope)
         else:
@@ -353,12 +396,32 @@ class _Trainer:
             items = [self.drills.apply(s, t, random.Random(f"{self.cfg.seed}/{self.step}/{i}"), self.window,
                                        self.n1)
                      for i, (s, t) in enumerate(items)]
+        if training and self.cfg.speak_dropout:
+            items = [self._speak_dropout(i, *item) for i, item in enumerate(items)]
+        if training and self.cfg.listen_drills:
+            items = [self._listen_drill(i) or item for i, item in enumerate(items)]
         batch = make_batch(self.lm, self.tokenizer, items, self.n1, self.n2, self.window).to(self.device)
         with no_compile():
             out = forward(self.lm, batch.chunks, batch.stream)
         heads = (self.cfg.turn_head_weight, self.cfg.turn_head_tokens) if training else (1.0, 0)
         return masked_loss(out, batch.text_mask, batch.speak_mask, self.lm.text_padding_token_id,
                            self.cfg.text_pad_weight, self.cfg.first_codebook_weight, *heads)
+
+    def _speak_dropout(self, i: int, sample: Sample, tokens: np.ndarray) -> tuple[Sample, np.ndarray]:
+        """Row i of this step's batch with, drawn per (seed, step, row), its speak rows silenced (text loss only)."""
+        if random.Random(f"{self.cfg.seed}/{self.step}/{i}/speak").random() >= self.cfg.speak_dropout:
+            return sample, tokens
+        tokens = tokens.copy()
+        tokens[1:9] = self.silence[:, None]
+        return dataclasses.replace(sample, speak=()), tokens
+
+    def _listen_drill(self, i: int) -> tuple[Sample, np.ndarray] | None:
+        """Row i of this step's batch as a listening drill, or None to keep it (drawn per (seed, step, row) from
+        its own generator: the other transforms draw what they drew without drills)."""
+        r = random.Random(f"{self.cfg.seed}/{self.step}/{i}/listen")
+        if r.random() >= self.cfg.listen_drills:
+            return None
+        return self.listen.row(r).as_sample()
 
     def train_step(self) -> dict[str, float]:
         """One optimiser step on the next batch of the sample order."""
@@ -415,10 +478,11 @@ def _eval_set(cfg: TrainConfig, data: DataSource) -> tuple[list[Sample], DataSou
     return pick_eval_samples(source, {s.kind for s in data.samples}, cfg.eval_samples, cfg.seed), source, name
 
 
-def train(cfg: TrainConfig, data: DataSource | None = None, progress: bool = True) -> TrainResult:
-    """Run (or resume) the fine-tuning `cfg` describes; `data` defaults to the dataset folder `cfg.data`."""
-    from tqdm import tqdm
-
+def train(cfg: TrainConfig, data: DataSource | None = None, progress: bool = True, mimi: MimiConfig | None = None,
+          listen: ListenSource | None = None, silence: np.ndarray | None = None) -> TrainResult:
+    """Run (or resume) the fine-tuning `cfg` describes; `data` defaults to the dataset folder `cfg.data`;
+    with `listen_drills`, `listen` defaults to `listen_source` over the codec of `mimi` (closed at the end; a
+    `listen` passed in is the caller's); with `speak_dropout`, `silence` (`[8]` codes) to that codec's silence."""
     _check_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -426,7 +490,24 @@ def train(cfg: TrainConfig, data: DataSource | None = None, progress: bool = Tru
     data = open_dataset(cfg.data) if data is None else data
     out = Path(cfg.out)
     ckpt = run_checkpoint(out, cfg.resume, "fine-tuning")
-    t = _Trainer(cfg, data, device, dtype)
+    own = listen_source(cfg, data.manifest, mimi, progress) if cfg.listen_drills and listen is None else None
+    try:
+        if cfg.speak_dropout and silence is None:
+            from egomem.trigger.codec import build_codec
+
+            from .streams import silence_code
+
+            silence = silence_code(build_codec(mimi or MimiConfig())).astype(np.int64)
+        return _train(cfg, data, progress, _Trainer(cfg, data, device, dtype, listen or own, silence), ckpt)
+    finally:
+        if own is not None:
+            own.close()
+
+
+def _train(cfg: TrainConfig, data: DataSource, progress: bool, t: _Trainer, ckpt: Path) -> TrainResult:
+    from tqdm import tqdm
+
+    out = Path(cfg.out)
     if cfg.resume:
         t.load(ckpt)
         log.info("resuming %s at step %d", ckpt, t.step)
@@ -490,9 +571,11 @@ def _write_model(t: _Trainer, out: Path, losses: list[float], final_eval: dict[s
     return path
 
 
-def finetune(cfg: TrainConfig, data: DataSource | None = None, progress: bool = True) -> Path:
-    """Run `cfg`; the path of `lm.safetensors` (or of the checkpoint when `stop_after` ended it early)."""
-    return train(cfg, data, progress).path
+def finetune(cfg: TrainConfig, data: DataSource | None = None, progress: bool = True, mimi: MimiConfig | None = None,
+             listen: ListenSource | None = None, silence: np.ndarray | None = None) -> Path:
+    """Run `cfg` (`train`'s arguments); the path of `lm.safetensors` (or of the checkpoint when `stop_after`
+    ended it early)."""
+    return train(cfg, data, progress, mimi, listen, silence).path
 
 
 # ---------------------------------------------------------------- CLI (wired by egomem/cli.py)
@@ -524,6 +607,18 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
                    help="share of drills that read random pseudo-words instead of the profile")
     p.add_argument("--drill-span", type=int, nargs=2, default=d.drill_span, metavar=("MIN", "MAX"),
                    help="drill length in bytes")
+    p.add_argument("--listen-drills", type=float, default=d.listen_drills,
+                   help="share of rows replaced by listening drills (spoken questions about the L1 profile, answered; "
+                        "the codec is the config's [mimi], the one the dataset was made with)")
+    p.add_argument("--listen-questions", type=int, nargs=2, default=d.listen_questions, metavar=("MIN", "MAX"),
+                   help="spoken questions per listening drill")
+    p.add_argument("--listen-voices", type=int, default=d.listen_voices,
+                   help="listening drills speak in the first N training voices (0: all)")
+    p.add_argument("--listen-bank", type=Path, help="the drills' clip-bank cache (default: <out>/listen_clips_train.npz; "
+                   "a train-backbone --task listen run folder's listen_clips_train.npz is the same bank)")
+    p.add_argument("--speak-dropout", type=float, default=d.speak_dropout,
+                   help="share of corpus rows whose speak rows are the codec's silence (text loss only), so the "
+                        "model hears whatever it said itself")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters only (merged into lm.safetensors)")
     p.add_argument("--lora-scope", choices=["transformers", "all"], default=d.lora_scope)
     p.add_argument("--gradient-checkpointing", action="store_true")
@@ -546,6 +641,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     dialog = load_config(getattr(args, "config", None)).dialog
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     given["drill_span"] = tuple(args.drill_span)  # as TrainConfig's default, so a resume compares equal
+    given["listen_questions"] = tuple(args.listen_questions)
     given["preset"] = args.preset or dialog.preset
     given["init_weights"] = args.init_weights if args.init_weights is not None else dialog.weights
     return TrainConfig(**given)
@@ -554,7 +650,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run_finetune(args: argparse.Namespace) -> int:
     """`egomem finetune`: 0 on success, 2 with a one-line reason on bad input."""
     try:
-        res = train(config_from_args(args), progress=not args.no_progress)
+        from egomem.config import load_config
+
+        mimi = load_config(getattr(args, "config", None)).mimi
+        res = train(config_from_args(args), progress=not args.no_progress, mimi=mimi)
     except (SampleError, CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"egomem finetune: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,10 @@ with the second after it, as a microphone encoded in one pass hears it), cached 
 held-out rows (`held_scores`) are held-out people spoken in the held-out voices: the share of answers the
 model writes right teacher-forced and greedy (whole reply; its words around the value, i.e. the kind
 heard; the value, i.e. the fact read), and of greetings whose name it writes right.
+
+`egomem finetune --listen-drills P` mixes the same rows into the fine-tune (`finetune_rows`, `ListenRow.as_sample`:
+in the serving layout, the profile in the L1 chunk, an empty L2 chunk), so the hearing is kept while the
+corpus is learnt.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from .forward import dialog_inputs, turn_heads
 from .memory_text import MemoryTexts
 from .streams import NOISE_CLIP_FRAMES, StreamSpec, silence_code
 from .tts import HELDOUT_VOICES, TRAIN_VOICES, TTSCache, Voice
-from .types import Household, Profile, Split
+from .types import Household, Profile, Sample, Span, Split
 
 HOUSEHOLD_SEED = 7  # the drills' people: corpus households of this seed (the training corpus uses 0)
 HOUSEHOLDS = 100_000  # drawn from make_household(split, HOUSEHOLD_SEED, 0..HOUSEHOLDS-1)
@@ -63,6 +67,8 @@ HEAD_TOKENS = 10  # a reply's first tokens: every fixed question's reply differs
 CLIP_LEAD_FRAMES = 25  # a question is encoded after 2 s of silence (or its noise), as the one-pass row hears it
 CLIP_TAIL_FRAMES = 12  # ... and keeps the 1 s after it: the codes of the speech's decay, not the codec's silence
 BANK_FORMAT = "egomem-listen-clips-v2"
+GREETING_P, NOISED_P = 0.3, 0.5  # a row opens with the model's greeting; a row is heard through noise
+DRILL_STREAM, DRILL_GENERATOR = "listen-drill", "listen-drill"  # a drill row's names as an `egomem finetune` sample
 
 
 class ClipBank:
@@ -175,6 +181,16 @@ class ListenRow:
     voice: Voice | None = None  # who asks the questions ...
     noise_copy: int | None = None  # ... over which of the bank's backgrounds (None: clean)
     spoken: list[tuple[int, str]] = field(default_factory=list)  # (tick, question): what the listen rows hold
+    l1_text: str = ""  # the L1 MemChunk text `chunk` encodes
+
+    def as_sample(self) -> tuple[Sample, np.ndarray]:
+        """The row as `egomem finetune` trains it (`--listen-drills`): a Level-1 sample in the serving layout
+        (this profile as the L1 MemChunk, an empty L2, the dialog from position n1 + n2), its text channel
+        supervised over the whole dialog as this stage supervises it, no speak loss (the speak rows hold the
+        codec's silence)."""
+        T = self.stream.shape[1]
+        return Sample(DRILL_STREAM, "l1_response", self.l1_text, "", (Span(0, T),), (),
+                      generator=DRILL_GENERATOR), self.stream
 
 
 class ListenRows:
@@ -246,7 +262,8 @@ class ListenRows:
         for at, codes in heard:  # a clip's tail runs on under the reply (cut where the row ends)
             codes = codes[:T - at]
             stream[9:, at:at + len(codes)] = codes.T
-        return ListenRow(self.tok.encode(self.texts.l1(p.user_id)), stream, answers, voice, copy, spoken)
+        l1 = self.texts.l1(p.user_id)
+        return ListenRow(self.tok.encode(l1), stream, answers, voice, copy, spoken, l1)
 
 
 @dataclass
@@ -261,20 +278,27 @@ class ListenBatch:
     answers: list[list[Answer]]
 
 
-def collate(lm: LMModel, rows: Sequence[ListenRow]) -> ListenBatch:
-    L = max(len(x.chunk) + x.stream.shape[1] for x in rows)
+def collate(lm: LMModel, rows: Sequence[ListenRow], layout: tuple[int, int] | None = None) -> ListenBatch:
+    """The rows packed (`ListenBatch`), each chunk its bare L1 text; with `layout` (n1, n2) each as serving lays it
+    out instead, its L1 padded to n1 steps and an empty L2 of n2 before the dialog (what `egomem finetune
+    --listen-drills` trains on: `forward.forward`'s input over `ListenRow.as_sample`)."""
+    steps = [len(x.chunk) if layout is None else sum(layout) for x in rows]
+    L = max(c + x.stream.shape[1] for c, x in zip(steps, rows, strict=True))
     inputs = torch.full((len(rows), lm.num_codebooks, L), lm.initial_token_id, dtype=torch.long)
     inputs[:, 0] = lm.text_padding_token_id
     targets = torch.full((len(rows), L), lm.text_padding_token_id, dtype=torch.long)
     mask = torch.zeros(len(rows), L, dtype=torch.bool)
-    for i, x in enumerate(rows):
-        c, n = len(x.chunk), x.stream.shape[1]
+    for i, (c, x) in enumerate(zip(steps, rows, strict=True)):
+        n = x.stream.shape[1]
         stream = torch.from_numpy(x.stream)[None]
-        inputs[i, :, :c] = memchunk_inputs(lm, x.chunk, c)
+        if layout is None:
+            inputs[i, :, :c] = memchunk_inputs(lm, x.chunk, c)
+        else:
+            inputs[i, :, :c] = torch.cat([memchunk_inputs(lm, x.chunk, layout[0]), memchunk_inputs(lm, [], layout[1])], 1)
         inputs[i, :, c:c + n] = dialog_inputs(lm, stream)[0]
         targets[i, c:c + n] = stream[0, 0]
         mask[i, c:c + n] = True
-    return ListenBatch(inputs, targets, mask, [len(x.chunk) for x in rows], [x.answers for x in rows])
+    return ListenBatch(inputs, targets, mask, steps, [x.answers for x in rows])
 
 
 def text_logits(lm: LMModel, batch: ListenBatch) -> torch.Tensor:
@@ -373,6 +397,21 @@ def init_listen_embeddings(lm: LMModel, codec: torch.nn.Module, frames: np.ndarr
     for emb, image in zip(listen, images, strict=True):
         emb.weight[:card] += (scale * image).to(emb.weight.dtype)
     return r
+
+
+def finetune_rows(codec: torch.nn.Module, dataset_codec: str | None, seed: int, voices: int | None,
+                  questions: tuple[int, int], l1_bytes: int, cache: Path | None, progress: bool = True,
+                  greeting_p: float = GREETING_P, noised_p: float = NOISED_P) -> ListenRows:
+    """The training rows `egomem finetune --listen-drills` mixes in: training people and voices, the bank of
+    `train-backbone --task listen` (same codec, voices and seed: its cache is reused), the L1 cut to the
+    dataset's `l1_bytes`. `dataset_codec`: the fingerprint the dataset's manifest records; a codec that hears
+    otherwise would teach the model two languages, so it is refused."""
+    got = codec_fingerprint(codec)
+    if dataset_codec is not None and got != dataset_codec:
+        raise ValueError(f"the dataset's audio was encoded by codec {dataset_codec}; the listening drills would be "
+                         f"encoded by {got}: give the [mimi] config the dataset was made with (--config)")
+    bank = ClipBank(codec, TRAIN_VOICES[:voices or None], fixed_questions(), seed, progress, cache)
+    return ListenRows(bank, "train", silence_code(codec), questions, greeting_p, noised_p, l1_bytes=l1_bytes)
 
 
 class ListenTask:

@@ -1,0 +1,118 @@
+"""Does a fine-tuned model hear the held-out corpus's questions when it is fed the gold dialog?
+
+`bench/diag_drills_whole.py` scores hearing on listening-drill rows; the eval's answers are judged on the
+held-out corpus streams, decoded free-running. This sits between the two: every Level-1 answer to a spoken
+question of the held-out corpus (its `l1_response` samples, each row laid out as `egomem finetune` lays it
+out: `--context dialog`, the 192-step window), teacher-forced, scored as `listen.held_scores` scores drill
+replies: `form_after_start` = the reply's first `HEAD` bytes after its first one right (the asked kind's
+words: the question heard), `reply_after_start` = all of them, by answer kind (the gold reply's first two
+words), clean and noised apart. High here and low in the eval = the model hears the gold context but not its
+own (what it said before is its own); low here too = the corpus's questions are not heard as the drills' are.
+
+    python bench/diag_answers_teacher.py runs/s43/card/run/lm.safetensors runs/s44/ld/run/lm.safetensors \
+        --data runs/s43/card/heldout --out bench/results/diag_answers_teacher.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from moshi.utils.compile import no_compile  # noqa: E402
+
+from egomem.dialog.checkpoint import build_lm  # noqa: E402
+from egomem.dialog.tokenizer import ByteTokenizer  # noqa: E402
+from egomem.training.batch import from_dialog_start, make_batch  # noqa: E402
+from egomem.training.dataset import Dataset  # noqa: E402
+from egomem.training.forward import forward  # noqa: E402
+
+HEAD = 10  # as listen.HEAD_TOKENS: every fixed question's reply differs from the others' within them
+WINDOW = 192  # bench_finetune's --dialog-steps
+
+
+def kind(reply: str) -> str:
+    if reply.startswith(("Yes, you like", "No, you dislike", "Yes, you dislike", "No, you like")):
+        return "preference"
+    if " is your " in reply:
+        return "who is"
+    return " ".join(reply.split()[:2]).rstrip(".,!?")
+
+
+@torch.no_grad()
+def score(lm, data: Dataset, speak: np.ndarray | None = None, batch_size: int = 8) -> dict:
+    """Hits by condition and answer kind; `speak` (`[8]` codes): every speak frame replaced by it (the model said
+    nothing audible), else the gold speech."""
+    tok = ByteTokenizer()
+    dialogs = data.dialogs
+    layouts = {x.stream: x for x in data.layouts}
+    n1, n2 = int(data.manifest["n1"]), int(data.manifest["n2"])
+    samples = [s for s in data.samples if s.kind == "l1_response"]
+    hits: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    for i in range(0, len(samples), batch_size):
+        group = samples[i:i + batch_size]
+        items, starts = [], []
+        for s in group:
+            start = data.conversation_starts(s.stream)[s.dialog]
+            tokens = data.tokens(s.stream)
+            if speak is not None:
+                tokens = tokens.copy()
+                tokens[1:9] = speak[:, None]
+            items.append(from_dialog_start(s, tokens, start))
+            starts.append(start)
+        batch = make_batch(lm, tok, items, n1, n2, WINDOW)
+        with no_compile():
+            right = (forward(lm, batch.chunks, batch.stream).text_logits.argmax(-1) == batch.stream[:, 0]).numpy()
+        for j, s in enumerate(group):
+            cond = "noised" if s.meta.get("noised") else "clean"
+            off = starts[j] + batch.crop_start[j]  # stream frame of the row's index 0
+            for u in layouts[s.stream.removesuffix("-noised")].dialogs[s.dialog].turns:
+                turn = dialogs[s.meta["corpus_dialog"]].turns[u.turn]
+                if turn.level != 1 or not turn.user.strip() or u.reply_text_start - off < 1:
+                    continue  # not a Level-1 answer to a question, or cropped out of the window
+                a, b = u.reply_text_start - off, min(u.reply_text_end - off, batch.lengths[j])
+                for k in ("all", kind(turn.reply)):
+                    hits[cond][f"{k}/form_after_start"].append(bool(right[j, a + 1:min(a + HEAD, b)].all()))
+                    hits[cond][f"{k}/reply_after_start"].append(bool(right[j, a + 1:b].all()))
+    return {c: {k: {"rate": float(np.mean(v)), "n": len(v)} for k, v in sorted(h.items())} for c, h in hits.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("weights", type=Path, nargs="+", help="fine-tuned lm.safetensors files")
+    p.add_argument("--data", type=Path, required=True, help="the held-out dataset folder (make-corpus --split heldout)")
+    p.add_argument("--speak", choices=("gold", "silence"), default="gold", help="the speak rows as recorded, or "
+                   "the codec's silence throughout (a model whose own speech is not what it was trained on)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "diag_answers_teacher.json")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    data = Dataset(args.data)
+    speak = None
+    if args.speak == "silence":
+        from egomem.config import MimiConfig
+        from egomem.training.streams import silence_code
+        from egomem.trigger.codec import build_codec
+
+        speak = silence_code(build_codec(MimiConfig())).astype(np.int64)[:8]
+    out = {"data": str(args.data), "window": WINDOW, "head": HEAD, "speak": args.speak, "models": {}}
+    for w in args.weights:
+        res = score(build_lm("tiny", weights=str(w)).eval(), data, speak)
+        out["models"][str(w)] = res
+        for c, r in res.items():
+            print(w, c, {k: f"{v['rate']:.2f} ({v['n']})" for k, v in r.items() if k.endswith("form_after_start")},
+                  flush=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
