@@ -10,7 +10,8 @@ words), clean and noised apart. High here and low in the eval = the model hears 
 own (what it said before is its own); low here too = the corpus's questions are not heard as the drills' are.
 
     python bench/diag_answers_teacher.py runs/s43/card/run/lm.safetensors runs/s44/ld/run/lm.safetensors \
-        --data runs/s43/card/heldout --out bench/results/diag_answers_teacher.json
+        runs/s44/sd/run/lm.safetensors --data runs/s43/card/heldout --speak gold \
+        --out bench/results/diag_answers_teacher_gold.json                   # and --speak silence: _silence
 """
 
 from __future__ import annotations
