@@ -144,6 +144,8 @@ JOBS = {
     "train-backbone": ("egomem.training.backbone",
                        "pre-train a dialog model to copy from its context (synthetic drills): finetune's start"),
     "finetune": ("egomem.training.finetune", "fine-tune a Moshi-format dialog model on MemChunk data (resumable)"),
+    "ship-dialog": ("egomem.training.ship",
+                    "a fine-tuned dialog model as the small checkpoint serving loads with no config (bf16 + metadata)"),
     "eval-dialog": ("egomem.training.eval_dialog",
                     "evaluate how a dialog model uses its memory: Fact Score, query words, fps (paper Table 3)"),
 }

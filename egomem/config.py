@@ -90,7 +90,8 @@ class MimiConfig:
 class DialogConfig:
     """The RQ-Transformer dialog engine (`dialog_lm`)."""
 
-    weights: Path | None = None  # Moshi-format LM safetensors; None = tiny random-initialised config
+    weights: Path | None = None  # Moshi-format LM safetensors; None = the shipped fine-tuned tiny EgoMem model (tiny preset)
+    random_init: bool = False  # True (with weights unset): the preset's seeded random-initialised weights, the untrained peer
     tokenizer: Path | None = None  # SentencePiece .model; None = byte-level tokenizer (offline default)
     preset: Literal["tiny", "7b"] = "tiny"
     max_streams: int = 16
@@ -101,12 +102,14 @@ class DialogConfig:
     temperature: float = 0.0  # 0 = greedy (reproducible); Moshi samples at 0.7 text / 0.8 audio
     # While the text channel is silent, whether it starts speaking is drawn at this temperature (the word then
     # at `temperature`); None: one draw at `temperature`. 1.0 keeps the model's odds of opening a turn whose
-    # moment is uncertain, which greedy and low temperatures all but never take (docs/training.md#when-to-speak)
-    start_temperature: float | None = None
+    # moment is uncertain, which greedy and low temperatures all but never take (docs/training.md#when-to-speak).
+    # "auto": what the checkpoint's metadata says it was evaluated with (the shipped model: 1.0), else None
+    start_temperature: float | Literal["auto"] | None = "auto"
     # When a different person is recognised: "swap" their profile into L1 and go on with the conversation
     # (the paper); "restart" the stream with it, a fresh conversation (for a model fine-tuned with
-    # `egomem finetune --context dialog`: docs/training.md#a-new-person)
-    new_person: Literal["swap", "restart"] = "swap"
+    # `egomem finetune --context dialog`: docs/training.md#a-new-person); "auto": "restart" for a checkpoint
+    # whose metadata says it was fine-tuned so (the shipped model), else "swap"
+    new_person: Literal["auto", "swap", "restart"] = "auto"
     top_k_text: int = 25  # Moshi's LMGen defaults
     top_k_audio: int = 250
     kernels: Literal["auto", "triton", "torch"] = "auto"  # auto: Triton kernels on CUDA, PyTorch on CPU
@@ -498,7 +501,7 @@ def validate(cfg: Config, source: str = "config") -> None:
     for key in POSITIVE:
         need(_get(cfg, key) > 0, f"{key} = {_get(cfg, key)} must be positive")
     for key in NON_NEGATIVE:
-        need(_get(cfg, key) is None or _get(cfg, key) >= 0, f"{key} = {_get(cfg, key)} must be >= 0")
+        need(_get(cfg, key) in (None, "auto") or _get(cfg, key) >= 0, f"{key} = {_get(cfg, key)} must be >= 0")
     ports = {k: _get(cfg, k) for k in ("server.http_port", "server.grpc_port", "server.metrics_port")}
     for key, v in [*ports.items(), ("orchestrator.port", cfg.orchestrator.port)]:
         need(0 <= v <= 65535, f"{key} = {v} is not a TCP port (0..65535)")

@@ -6,11 +6,14 @@ they said. Day 2: each comes back with a *different* photo and recording; the po
 recognises them, their profile lands in the Level-1 MemChunk; a relation query on the model's text
 channel lands the colleague's facts in the Level-2 MemChunk. Finally the first person is forgotten.
 
-The offline dialog model is random-initialised: the demo shows memory working, not eloquence. Its
-text channel never writes a `<retr>` query by itself, so the demo injects one (the
-`orchestrator.accept_model_text` switch, on only for the demo and tests). The memory worker cuts the
-recorded streams into sessions with the shipped episodic trigger (trained on the shipped codec's
-codes), as `egomem serve` does.
+The offline dialog model is the shipped fine-tuned tiny model (README, "What the tiny model reached"):
+once a person is recognised on day 2 it greets them from their profile, and the timeline shows what it
+said (`says to <name>`: its text channel from the Level-1 refresh on; each day-2 visit keeps streaming
+`TAIL_S` of silence after the recording, so the model has time to speak). It does not yet write a
+`<retr>` query by itself, so the demo injects one on day 2 (the `orchestrator.accept_model_text`
+switch, on only for the demo and tests) and labels it so. The memory worker cuts the recorded streams
+into sessions with the shipped episodic trigger (trained on the shipped codec's codes), as `egomem
+serve` does.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from egomem.config import REPO_ROOT, with_overrides
 
 DEFAULT_DATA = REPO_ROOT / "tests" / "data" / "identity"  # LibriSpeech + face photos (ATTRIBUTION.md there)
 QUERY = "<retr>:\ncolleague\nwork<answer>"
+TAIL_S = 4.0  # silence streamed after a day-2 recording: the model's greeting runs ~1 byte per 80 ms tick
 
 
 @dataclass(frozen=True)
@@ -79,10 +83,13 @@ class Timeline:
 
 
 async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Timeline, seconds: float,
-                 poll_s: float, query: bool) -> ChatSession:
-    """One person's stream: video frames + real-time audio (+ their words on day 1, + a query on day 2)."""
+                 poll_s: float, query: bool) -> tuple[ChatSession, str]:
+    """One person's stream: video frames + real-time audio (+ their words on day 1, + a query on day 2); the
+    session and, on day 2, what the model said from the L1 refresh on."""
     face = (data / (p.face_day1 if day == 1 else p.face_day2)).read_bytes()
     voice = load_voice(data / (p.voice_day1 if day == 1 else p.voice_day2), seconds)
+    if day == 2:
+        voice = np.concatenate([voice, np.zeros(int(TAIL_S * 24000), np.float32)])
     chat = await client.open_chat()
     chat.stream_id = (await chat.wait_event("stream_open"))["stream_id"]
     opened = time.monotonic()
@@ -103,11 +110,13 @@ async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Time
         tl.add(day, p.name, "recognised", as_name=ev["name"], by=ev["decided_by"], poll=ev.get("poll"),
                after_s=round(ev["_t"] - opened, 2), latency_ms=ev["latency_ms"])
         ref = await chat.wait_event("memchunk_refreshed", timeout=60, level=1)
+        heard_from = len(chat.text)  # the model's text channel from the L1 refresh on: what it says to them
         tl.add(day, p.name, "L1 MemChunk", latency_ms=ref["latency_ms"], text=ref["text"])
         if query:
+            await asyncio.sleep(TAIL_S / 2)  # its greeting first
             n = len(chat.events)
             await chat.send_model_text(QUERY)
-            tl.add(day, p.name, "model asks memory", text=QUERY.replace("\n", " | "))
+            tl.add(day, p.name, "memory query", injected=True, text=QUERY.replace("\n", " | "))
             r = await chat.wait_event("retrieval", timeout=60, after=n)
             tl.add(day, p.name, "retrieval", latency_ms=r["latency_ms"], text="\n".join(r["results"]) or "(nothing)")
             ref2 = await chat.wait_event("memchunk_refreshed", timeout=60, after=n, level=2)
@@ -115,8 +124,12 @@ async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Time
     await audio_task
     video_task.cancel()
     await chat.close()
+    said = ""
+    if day == 2:
+        said = chat.text[heard_from:].replace(QUERY, "")  # less the injected query
+        tl.add(day, "model", f"says to {p.name}", text=said.strip() or "(nothing)")
     tl.add(day, p.name, "stream closed", ticks_text_chars=len(chat.text))
-    return chat
+    return chat, said
 
 
 async def run_scenario(url: str, stream_token: str, admin_token: str, data: Path = DEFAULT_DATA,
@@ -127,7 +140,7 @@ async def run_scenario(url: str, stream_token: str, admin_token: str, data: Path
     async with EgoMemClient(url, stream_token) as streamer, EgoMemClient(url, admin_token) as admin:
         await admin.wait_ready(120)
         for p in PEOPLE:  # day 1, one after the other: Filippo names Sonja, so she must exist first
-            chat = await _visit(streamer, p, 1, data, tl, seconds, poll_s, query=False)
+            chat, _ = await _visit(streamer, p, 1, data, tl, seconds, poll_s, query=False)
             await admin.wait_jobs_done(job_timeout_s, chat.stream_id)
             tl.add(1, "memory", "job done", users=[u["name"] for u in await admin.users()])
         users = {u["name"]: u["user_id"] for u in await admin.users()}
@@ -137,12 +150,13 @@ async def run_scenario(url: str, stream_token: str, admin_token: str, data: Path
             tl.add(1, "memory", f"profile of {n}", text=text)
         out["day2"] = {}
         for p in PEOPLE:
-            chat = await _visit(streamer, p, 2, data, tl, seconds, poll_s, query=p is PEOPLE[0])
+            chat, said = await _visit(streamer, p, 2, data, tl, seconds, poll_s, query=p is PEOPLE[0])
             out["day2"][p.name] = {
                 "recognised": [(e["name"], e["user_id"], e.get("poll")) for e in chat.find("user_recognised")],
                 "l1": [e["text"] for e in chat.find("memchunk_refreshed", level=1)],
                 "l2": [e["text"] for e in chat.find("memchunk_refreshed", level=2)],
                 "retrieval": [e["results"] for e in chat.find("retrieval")],
+                "model_said": said,  # its own words after the L1 refresh
             }
             await admin.wait_jobs_done(job_timeout_s, chat.stream_id)
         victim = users.get(PEOPLE[0].name)
@@ -171,7 +185,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                     rotation=20)  # staggered: events of one person often land within a second
     ax.set_yticks(range(len(whos)), whos)
     ax.set_xlabel("seconds since the demo started (blue: day 1, orange: day 2)")
-    ax.set_title("EgoMem demo: recognition and memory (random-initialised dialog model)")
+    ax.set_title("EgoMem demo: recognition, memory and what the model said")
     ax.set_ylim(-0.5, len(whos) - 0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -190,8 +204,9 @@ def main(cfg, data: Path | None = None, out_dir: Path | None = None, seconds: fl
         "orchestrator": {"accept_model_text": True}}, source="demo")
     for f in out_dir.glob("memory.sqlite3*"):
         f.unlink()
-    print("EgoMem demo. The dialog model is random-initialised (offline default): this shows memory working,\n"
-          "not eloquence. The model's memory query is injected on its text channel.\n", flush=True)
+    print("EgoMem demo. The dialog model is the shipped fine-tuned tiny model (offline default): on day 2 it\n"
+          "greets the people it recognises from their profile. It does not write a memory query by itself yet,\n"
+          "so the day-2 query is injected on its text channel (labelled injected).\n", flush=True)
     with Stack(cfg) as stack:
         result = asyncio.run(run_scenario(stack.url, stack.tokens["stream"], stack.tokens["admin"],
                                           data or DEFAULT_DATA, seconds, cfg.orchestrator.poll_interval_s))

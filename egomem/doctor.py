@@ -106,13 +106,53 @@ def check_codec(cfg: Config) -> Iterable[Finding]:
         yield Finding("ok", f"mimi weights {weights}")
 
 
+def check_dialog(cfg: Config) -> Iterable[Finding]:
+    """Which dialog model runs: configured weights, the shipped fine-tuned tiny model, or random-initialised;
+    whether it learnt the configured codec's codes, and how it meets a new person and opens a turn."""
+    from egomem.codec.mimi import MimiWeightsError, build_mimi
+    from egomem.dialog.card import SHIPPED_TINY_DIALOG, checkpoint_metadata, serving_settings
+    from egomem.trigger.codec import codec_fingerprint
+
+    settings = serving_settings(cfg.dialog)
+    how = f"new person: {settings.new_person}, turn starts at T = {settings.start_temperature}"
+    if settings.weights is None:
+        yield Finding("note", f"dialog: RANDOM-INITIALISED '{cfg.dialog.preset}' model: it writes random bytes "
+                      f"and uses no memory ({how})",
+                      "set dialog.weights to a Moshi-format LM safetensors file, or use the shipped fine-tuned tiny "
+                      "model (dialog.preset = 'tiny', dialog.random_init = false)")
+        return
+    if not settings.weights.is_file():
+        fix = ("restore it from git, or set dialog.random_init = true" if settings.weights == SHIPPED_TINY_DIALOG
+               else "copy the file there, or unset dialog.weights for the shipped tiny model")
+        yield Finding("fail", f"dialog.weights {settings.weights} not found", fix)
+        return
+    meta = checkpoint_metadata(settings.weights)
+    if meta.get("trained_by") != "egomem finetune":
+        yield Finding("ok", f"dialog weights {settings.weights} ({how})")
+        return
+    what = "shipped fine-tuned tiny model" if settings.weights == SHIPPED_TINY_DIALOG else "fine-tuned model"
+    yield Finding("ok", f"dialog: {what} {settings.weights} ({meta.get('steps', '?')} steps, "
+                  f"{meta.get('dtype', 'float32')}; {how})")
+    codec = meta.get("codec")
+    if codec and codec != "None" and cfg.mimi.preset == "tiny":  # the full codec: too heavy to build for a check
+        try:
+            configured = codec_fingerprint(build_mimi(cfg.mimi))
+        except MimiWeightsError:  # check_codec reports it, with what to do
+            return
+        if configured != codec:
+            yield Finding("note", f"dialog: the model learnt codec {codec}'s codes, the configured Mimi is "
+                          f"{configured}: it will not hear the user",
+                          "use the codec it was trained on, or fine-tune it on a corpus made with this codec")
+
+
 def check_weights(cfg: Config) -> Iterable[Finding]:
     """Each configured weight file exists; unset ones fall back to the offline default (said plainly)."""
     yield from check_codec(cfg)
-    for key, path in (("dialog.weights", cfg.dialog.weights), ("dialog.tokenizer", cfg.dialog.tokenizer)):
+    yield from check_dialog(cfg)
+    for key, path in (("dialog.tokenizer", cfg.dialog.tokenizer),):
         if path is None:
-            yield Finding("note", f"{key} unset: offline default (tiny random-initialised dialog model, byte-level text)",
-                          f"set {key} to a local Moshi-format file for a real model")
+            yield Finding("note", f"{key} unset: offline default (byte-level text, as the shipped model)",
+                          f"set {key} to a SentencePiece .model for a real model")
         elif not Path(path).is_file():
             yield Finding("fail", f"{key} {path} not found", f"copy the file there, or unset {key}")
         else:

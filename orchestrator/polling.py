@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from egomem.config import Config
+from egomem.dialog.card import serving_settings
 from egomem.protocol import pack_event
 from egomem.serving.client import TritonRequestError, TritonUnavailable
 
@@ -35,6 +36,8 @@ class IdentityPoller:
         self.p, self.cfg, self.metrics, self.stream_id = perception, cfg, metrics, stream_id
         self.inputs, self.recorder, self.memchunk, self.send = inputs, recorder, memchunk, send
         self.polls = 0  # polling rounds that had a face or a voice to look at
+        # a new person restarts the dialog stream for a model fine-tuned on conversations from their start
+        self.restart_on_new_person = serving_settings(cfg.dialog).new_person == "restart"
         self._task: asyncio.Task | None = None
 
     def start(self, closed: asyncio.Event) -> None:
@@ -115,4 +118,4 @@ class IdentityPoller:
                              previous_user_id=previous, latency_ms=round(dt * 1000, 1), poll=self.polls,
                              face_distance=ident.face_distance, voice_score=ident.voice_score))
         text = await asyncio.to_thread(p.profile_text, ident.user_id, self.cfg.memory.profile_max_chars)
-        self.memchunk.profile(text, ident.user_id, restart=self.cfg.dialog.new_person == "restart")
+        self.memchunk.profile(text, ident.user_id, restart=self.restart_on_new_person)

@@ -57,8 +57,9 @@ def test_cross_field_rules_name_the_keys(tmp_path, overrides, keys):
         load_config(path, env={})
 
 
-def test_an_optional_number_is_none_by_default_and_read_from_the_environment():
-    assert load_config(env={}).dialog.start_temperature is None
+def test_an_optional_number_is_auto_by_default_and_read_from_the_environment():
+    assert load_config(env={}).dialog.start_temperature == "auto"  # the checkpoint's own (egomem/dialog/card.py)
+    assert load_config(env={}).dialog.new_person == "auto"
     assert load_config(env={"EGOMEM__DIALOG__START_TEMPERATURE": "1.0"}).dialog.start_temperature == 1.0
     assert load_config(env={"EGOMEM__DIALOG__START_TEMPERATURE": "none"}).dialog.start_temperature is None
     with pytest.raises(ConfigError, match="dialog.start_temperature"):

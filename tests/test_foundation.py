@@ -112,12 +112,19 @@ def test_doctor_passes_on_this_install_and_says_which_codec_runs():
     assert "[ ok ] tritonserver binary" in text
     assert "Python backend stub for Python 3.11" in text
     assert "[ ok ] mimi: trained tiny codec" in text and "egomem train-codec --data" in text
-    assert "random-initialised dialog model" in text  # the dialog model is still random (issue #15)
+    assert "[ ok ] dialog: shipped fine-tuned tiny model" in text and "new person: restart" in text
+    assert "turn starts at T = 1.0" in text and "the configured Mimi is" not in text  # it learnt this codec
     cfg = load_config(env={})
     cfg.mimi.random_init = True
+    cfg.dialog.random_init = True
     lines.clear()
     run_doctor(cfg, out=lines.append)
-    assert "RANDOM-INITIALISED 'tiny' Mimi" in "\n".join(lines)
+    text = "\n".join(lines)
+    assert "RANDOM-INITIALISED 'tiny' Mimi" in text and "RANDOM-INITIALISED 'tiny' model" in text
+    cfg.dialog.random_init = False  # the shipped model beside a codec it never heard
+    lines.clear()
+    run_doctor(cfg, out=lines.append)
+    assert "it will not hear the user" in "\n".join(lines)
 
 
 def test_doctor_on_a_broken_install_says_what_to_do(tmp_path):

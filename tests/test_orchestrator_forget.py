@@ -23,7 +23,8 @@ DATA = Path(__file__).parent / "data" / "identity"
 @pytest.fixture(scope="module")
 def orch(triton, tmp_path_factory):
     d = tmp_path_factory.mktemp("orch_forget")
-    with served_orchestrator(triton, d, IDENTIFY_MODELS, retrieval=False, poll_interval_s=1.0) as o:
+    with served_orchestrator(triton, d, IDENTIFY_MODELS, dialog={"new_person": "swap"}, retrieval=False,
+                             poll_interval_s=1.0) as o:
         yield triton, o
 
 
@@ -80,7 +81,8 @@ def test_forget_redacts_and_reloads_an_open_stream_of_another_user(orch):
             return before, res, after
 
     before, res, after = run(go())
-    # new_person = "swap" (the default): the profile enters the running conversation, no restart
+    # new_person = "swap" (the paper's; "auto" restarts for the shipped model): the profile enters the running
+    # conversation, no restart
     assert before["restarted"] is False and before["dialog_step"] > 1
     assert "Max Moe (colleague)" in before["text"] and "works with Max Moe on radar" in before["text"]
     assert res["verified_leftovers"] == [] and res["receipt"]["leftovers"] == []

@@ -18,6 +18,7 @@ from egomem.config import DialogConfig
 from egomem.serving.streams import SlotTable, StreamError, admit
 from egomem.serving.wire import RowError
 
+from .card import serving_settings
 from .checkpoint import DTYPES, build_lm
 from .engine import DialogEngine, NoFreeSlotError
 from .tokenizer import TextTokenizer, load_tokenizer
@@ -45,20 +46,22 @@ class DialogResult:
 
 
 def build_engine(cfg: DialogConfig, device: str | None = None) -> tuple[DialogEngine, TextTokenizer]:
-    """The engine (and its text tokenizer) that `cfg` describes; weights from cfg.weights or seeded random."""
+    """The engine (and its text tokenizer) that `cfg` describes: weights and start temperature as `card.py`
+    settles them (`dialog.weights`, else the shipped tiny model, else seeded random)."""
     if device is None or device == "auto":
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else (torch.bfloat16 if device == "cuda" else torch.float32)
     if cfg.threads > 0 and device == "cpu":
         torch.set_num_threads(cfg.threads)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    lm = build_lm(cfg.preset, cfg.weights, device=device, dtype=dtype, seed=cfg.seed)
+    settings = serving_settings(cfg)
+    lm = build_lm(cfg.preset, settings.weights, device=device, dtype=dtype, seed=cfg.seed)
     if tokenizer.vocab_size > lm.text_card + 1:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the {cfg.preset!r} model's text vocabulary "
                          f"is {lm.text_card}: set dialog.tokenizer and dialog.preset to a matching pair")
     engine = DialogEngine(lm, cfg.max_streams, l1_steps=cfg.l1_steps, l2_steps=cfg.l2_steps,
                           ring_steps=cfg.ring_steps or None, temperature=cfg.temperature, kernels=cfg.kernels,
-                          start_temperature=cfg.start_temperature,
+                          start_temperature=settings.start_temperature,
                           top_k_text=cfg.top_k_text, top_k_audio=cfg.top_k_audio, cuda_graphs=cfg.cuda_graphs,
                           kv_dtype=torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else None)
     return engine, tokenizer

@@ -26,7 +26,8 @@ def add_eval_args(p: Any) -> None:
     a("--dialogs", type=Path, metavar="JSONL", help="dialogs of those households (types.Dialog per line)")
     a("--data", type=Path, metavar="DIR", help="a dataset folder: evaluate its held-out streams as they are")
     a("--households", type=int, default=8, help="without --people/--data: generate this many held-out households")
-    a("--weights", type=Path, help="the model under test (default: dialog.weights; unset: the seeded random init)")
+    a("--weights", type=Path, help="the model under test (default: dialog.weights; unset: the shipped tiny model, or the "
+      "seeded random init with dialog.random_init)")
     a("--name", default="model", help="its label in the report")
     a("--peer-empty", action="store_true", help="also the same model with empty MemChunks")
     a("--peer", action="append", default=[], metavar="NAME=WEIGHTS",
@@ -44,10 +45,11 @@ def add_eval_args(p: Any) -> None:
            "--seed (default: dialog.temperature, 0)")
     a("--start-temperature", type=float, metavar="T",
       help="while the text channel is silent, draw whether it starts speaking at T, the word then at "
-           "--temperature (default: dialog.start_temperature, none: one draw; docs/training.md#when-to-speak)")
+           "--temperature (default: dialog.start_temperature; its 'auto' = what the model under test records, the "
+           "shipped model 1.0, else one draw; docs/training.md#when-to-speak)")
     a("--new-person", choices=["swap", "restart"],
       help="a new person's L1: swapped into the running conversation, or the stream restarted with it (default: "
-           "dialog.new_person; 'restart' for a model fine-tuned with --context dialog)")
+           "dialog.new_person; its 'auto' = 'restart' for a model fine-tuned with --context dialog, else 'swap')")
     a("--seed", type=int, default=0, help="held-out generation and the sampling draws")
     a("--draws", type=int, default=1, help="sampled decoding: decode every stream this many times (seeds --seed, "
                                            "--seed + 1, ...); the figures pool them, per_draw gives each")
@@ -151,6 +153,7 @@ def run_eval(args: Any) -> int:
     from pathlib import Path
 
     from egomem.config import ConfigError, load_config, validate
+    from egomem.dialog.card import dialog_weights, serving_settings
     from egomem.dialog.checkpoint import CheckpointError
     from egomem.dialog.serving import build_engine
     from egomem.memory.llm import LLMNotConfigured
@@ -166,7 +169,8 @@ def run_eval(args: Any) -> int:
         conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
         if not conditions or set(conditions) - {"clean", "noised"}:
             raise EvalError(f"--conditions takes clean and/or noised, got {args.conditions!r}")
-        models = [(args.name, args.weights or cfg.dialog.weights, True)]
+        # weights None: the preset's seeded random init (`--peer NAME=random`)
+        models = [(args.name, args.weights or dialog_weights(cfg.dialog), True)]
         if args.peer_empty:
             models.append((f"{args.name} (empty MemChunks)", models[0][1], False))
         for spec in args.peer:
@@ -179,17 +183,20 @@ def run_eval(args: Any) -> int:
         temperature = cfg.dialog.temperature if args.temperature is None else args.temperature
         if args.start_temperature is not None and not args.start_temperature >= 0:
             raise EvalError(f"--start-temperature must be >= 0, got {args.start_temperature}")
-        start_temperature = cfg.dialog.start_temperature if args.start_temperature is None else args.start_temperature
+        # "auto" settings are read from the model under test, and every peer is decoded the same way
+        settings = serving_settings(replace(cfg.dialog, weights=models[0][1], random_init=models[0][1] is None))
+        start_temperature = settings.start_temperature if args.start_temperature is None else args.start_temperature
         if args.draws < 1:
             raise EvalError(f"--draws must be at least 1, got {args.draws}")
         if args.draws > 1 and temperature == 0 and not start_temperature:
             raise EvalError("--draws repeats a sampled decoding; this one is greedy (--temperature 0 and no "
                             "--start-temperature above 0) and gives the same replies every draw")
-        new_person = args.new_person or cfg.dialog.new_person
+        new_person = args.new_person or settings.new_person
         engine_cfg = replace(cfg.dialog, max_streams=args.batch, temperature=temperature,
                              start_temperature=start_temperature)
         engines: dict[str, DialogEngine] = {}
-        engines[str(models[0][1])], tokenizer = build_engine(replace(engine_cfg, weights=models[0][1]))
+        engines[str(models[0][1])], tokenizer = build_engine(replace(engine_cfg, weights=models[0][1],
+                                                                     random_init=models[0][1] is None))
         households, dialogs, streams = _eval_set(args, cfg, tokenizer, "noised" in conditions)
         memory = MemoryTexts(households, l1_bytes=cfg.dialog.l1_steps, l2_bytes=cfg.dialog.l2_steps,
                              retrieval=cfg.retrieval)  # byte budgets: a step holds at least one byte
@@ -207,7 +214,7 @@ def run_eval(args: Any) -> int:
         for name, weights, use_memory in models:
             key = str(weights)
             if key not in engines:
-                engines[key] = build_engine(replace(engine_cfg, weights=weights))[0]
+                engines[key] = build_engine(replace(engine_cfg, weights=weights, random_init=weights is None))[0]
             entry: dict[str, Any] = {"name": name, "weights": None if weights is None else str(weights),
                                      "memory": use_memory}
             for c in conditions:
@@ -219,6 +226,7 @@ def run_eval(args: Any) -> int:
                 if args.served_fps:
                     served = copy.deepcopy(cfg)  # the server's own slot pool: at least --batch slots
                     served.dialog = replace(cfg.dialog, weights=None if weights is None else Path(weights).resolve(),
+                                            random_init=weights is None, new_person=new_person,
                                             max_streams=max(args.batch, cfg.dialog.max_streams), temperature=temperature,
                                             start_temperature=start_temperature)
                     http, grpc, metrics = free_ports(3)

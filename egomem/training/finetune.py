@@ -548,7 +548,9 @@ def _write_model(t: _Trainer, out: Path, losses: list[float], final_eval: dict[s
     cfg = t.cfg
     state = {k: v.detach().contiguous().cpu() for k, v in merged_state_dict(t.lm).items()}
     path, tmp = out / "lm.safetensors", out / "lm.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "moshi-lm", "preset": cfg.preset, "trained_by": "egomem finetune"})
+    # `context` tells serving how the model meets a new person (egomem/dialog/card.py: new_person "auto")
+    save_file(state, str(tmp), metadata={"format": "moshi-lm", "preset": cfg.preset, "trained_by": "egomem finetune",
+                                         "context": cfg.context})
     tmp.replace(path)
     card = {
         "format": "egomem-finetune-v1",
