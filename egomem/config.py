@@ -577,7 +577,9 @@ def to_toml(cfg: Config) -> str:
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
             if v is None:
-                continue  # absent key = default None
+                if f.default is None:
+                    continue  # absent key = default None
+                v = "none"  # None where the default is something else ("auto"): TOML has no null; _coerce reads it
             lines.append(f"{f.name} = {_toml_value(v)}")
         lines.append("")
     return "\n".join(lines)

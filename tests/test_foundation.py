@@ -34,6 +34,9 @@ def test_defaults_run_offline_and_round_trip_through_toml(tmp_path):
     path.write_text(to_toml(cfg))
     again = load_config(path, env={})
     assert again == cfg
+    cfg.dialog.start_temperature = None  # a None whose default is "auto" survives the trip (the model processes')
+    path.write_text(to_toml(cfg))
+    assert load_config(path, env={}).dialog.start_temperature is None
 
 
 def test_toml_then_env_overrides(tmp_path):
