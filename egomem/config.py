@@ -90,8 +90,11 @@ class MimiConfig:
 class DialogConfig:
     """The RQ-Transformer dialog engine (`dialog_lm`)."""
 
-    weights: Path | None = None  # Moshi-format LM safetensors; None = the shipped fine-tuned tiny EgoMem model (tiny preset)
-    random_init: bool = False  # True (with weights unset): the preset's seeded random-initialised weights, the untrained peer
+    weights: Path | None = None  # Moshi-format LM safetensors; None = random_init's choice (tiny preset)
+    # True (with weights unset): the preset's seeded random-initialised weights; False: the shipped fine-tuned tiny
+    # EgoMem model. Still True by default: with the shipped model's day-1 streams the memory worker enrolled no
+    # one in the demo (tests/test_orchestrator_e2e.py), not yet understood (README, "Shipped (session 45)")
+    random_init: bool = True
     tokenizer: Path | None = None  # SentencePiece .model; None = byte-level tokenizer (offline default)
     preset: Literal["tiny", "7b"] = "tiny"
     max_streams: int = 16
