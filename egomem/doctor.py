@@ -123,7 +123,8 @@ def check_dialog(cfg: Config) -> Iterable[Finding]:
         return
     if not settings.weights.is_file():
         fix = ("restore it from git, or set dialog.random_init = true" if settings.weights == SHIPPED_TINY_DIALOG
-               else "copy the file there, or unset dialog.weights for the shipped tiny model")
+               else "copy the file there, or unset dialog.weights (then dialog.random_init picks random weights "
+                     "or, false, the shipped tiny model)")
         yield Finding("fail", f"dialog.weights {settings.weights} not found", fix)
         return
     meta = checkpoint_metadata(settings.weights)
@@ -149,14 +150,14 @@ def check_weights(cfg: Config) -> Iterable[Finding]:
     """Each configured weight file exists; unset ones fall back to the offline default (said plainly)."""
     yield from check_codec(cfg)
     yield from check_dialog(cfg)
-    for key, path in (("dialog.tokenizer", cfg.dialog.tokenizer),):
-        if path is None:
-            yield Finding("note", f"{key} unset: offline default (byte-level text, as the shipped model)",
-                          f"set {key} to a SentencePiece .model for a real model")
-        elif not Path(path).is_file():
-            yield Finding("fail", f"{key} {path} not found", f"copy the file there, or unset {key}")
-        else:
-            yield Finding("ok", f"{key} {path}")
+    path = cfg.dialog.tokenizer
+    if path is None:
+        yield Finding("note", "dialog.tokenizer unset: offline default (byte-level text, as the shipped model)",
+                      "set dialog.tokenizer to a SentencePiece .model for a real model")
+    elif not Path(path).is_file():
+        yield Finding("fail", f"dialog.tokenizer {path} not found", "copy the file there, or unset dialog.tokenizer")
+    else:
+        yield Finding("ok", f"dialog.tokenizer {path}")
 
 
 def check_perception(cfg: Config) -> Iterable[Finding]:
