@@ -90,15 +90,12 @@ class MimiConfig:
 class DialogConfig:
     """The RQ-Transformer dialog engine (`dialog_lm`)."""
 
-    weights: Path | None = None  # Moshi-format LM safetensors; None = random_init's choice (tiny preset)
-    # True (with weights unset): the preset's seeded random-initialised weights; False: the shipped fine-tuned tiny
-    # EgoMem model. Still True by default: with the shipped model's day-1 streams the memory worker enrolled no
-    # one in the demo (tests/test_orchestrator_e2e.py), not yet understood (README, "Shipped (session 45)")
-    random_init: bool = True
+    weights: Path | None = None  # Moshi-format LM safetensors; None = the shipped fine-tuned tiny EgoMem model (tiny preset)
+    random_init: bool = False  # True (with weights unset): the preset's seeded random-initialised weights, the untrained peer
     tokenizer: Path | None = None  # SentencePiece .model; None = byte-level tokenizer (offline default)
     preset: Literal["tiny", "7b"] = "tiny"
     max_streams: int = 16
-    seed: int = 1234
+    seed: int = 1234  # seeds the random-init weights and, with the stream id, each served stream's turn-start draws
     l1_steps: int = 512  # Level-1 MemChunk (profile), as in the paper
     l2_steps: int = 256  # Level-2 MemChunk (retrieved facts), as in the paper; also retrieval's token budget
     ring_steps: int = 0  # dialog ring; 0 = the model's trained context minus the chunks (7B: 3000 - 768)

@@ -6,9 +6,8 @@ they said. Day 2: each comes back with a *different* photo and recording; the po
 recognises them, their profile lands in the Level-1 MemChunk; a relation query on the model's text
 channel lands the colleague's facts in the Level-2 MemChunk. Finally the first person is forgotten.
 
-The offline dialog model is random-initialised unless `dialog.random_init = false` serves the shipped
-fine-tuned tiny model (README, "What the tiny model reached"), which greets a person recognised on day 2
-from their profile; the timeline shows what the model
+The offline dialog model is the shipped fine-tuned tiny model (README, "What the tiny model reached"):
+once a person is recognised on day 2 it greets them from their profile, and the timeline shows what it
 said (`says to <name>`: its text channel from the Level-1 refresh on; each day-2 visit keeps streaming
 `TAIL_S` of silence after the recording, so the model has time to speak). It does not yet write a
 `<retr>` query by itself, so the demo injects one on day 2 (the `orchestrator.accept_model_text`
@@ -205,9 +204,9 @@ def main(cfg, data: Path | None = None, out_dir: Path | None = None, seconds: fl
         "orchestrator": {"accept_model_text": True}}, source="demo")
     for f in out_dir.glob("memory.sqlite3*"):
         f.unlink()
-    print("EgoMem demo. The dialog model is random-initialised unless dialog.random_init = false (the shipped\n"
-          "fine-tuned tiny model, which greets the people it recognises). Neither writes a memory query by itself\n"
-          "yet, so the day-2 query is injected on its text channel (labelled injected).\n", flush=True)
+    print("EgoMem demo. The dialog model is the shipped fine-tuned tiny model (offline default): on day 2 it\n"
+          "greets the people it recognises from their profile. It does not write a memory query by itself yet,\n"
+          "so the day-2 query is injected on its text channel (labelled injected).\n", flush=True)
     with Stack(cfg) as stack:
         result = asyncio.run(run_scenario(stack.url, stack.tokens["stream"], stack.tokens["admin"],
                                           data or DEFAULT_DATA, seconds, cfg.orchestrator.poll_interval_s))

@@ -123,8 +123,8 @@ def check_dialog(cfg: Config) -> Iterable[Finding]:
         return
     if not settings.weights.is_file():
         fix = ("restore it from git, or set dialog.random_init = true" if settings.weights == SHIPPED_TINY_DIALOG
-               else "copy the file there, or unset dialog.weights (then dialog.random_init picks random weights "
-                     "or, false, the shipped tiny model)")
+               else "copy the file there, or unset dialog.weights for the shipped tiny model "
+                     "(or random weights with dialog.random_init = true)")
         yield Finding("fail", f"dialog.weights {settings.weights} not found", fix)
         return
     meta = checkpoint_metadata(settings.weights)

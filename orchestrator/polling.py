@@ -61,15 +61,18 @@ class IdentityPoller:
                 self.send(pack_event("warning", message=f"identification failed: {e}"))
 
     async def finish(self, look: bool, timeout_s: float = LAST_LOOK_S) -> None:
-        """At stream end: let a running identification finish, and (when `look`) look once if the stream
-        never was: a short stream still leaves a face/voice in its memory chunk, or the worker cannot
-        tell whose it is. Then the polling loop is over."""
+        """At stream end: let a running identification finish, and (when `look`) look once more if the
+        stream never was, or was last looked at a whole session's length ago (`trigger.min_session_steps`):
+        every session of the memory chunk then has a face/voice in it or just after it (the memory
+        worker's rule E7), else the worker cannot tell whose it is and enrols a nameless stranger.
+        Then the polling loop is over."""
         task = self._task
         if task is None:
             return
         try:
             await asyncio.wait_for(asyncio.shield(task), timeout_s)
-            if self.polls == 0 and look:
+            unseen = self.polls == 0 or self.recorder.steps_since_poll >= self.cfg.trigger.min_session_steps
+            if unseen and look:
                 await asyncio.wait_for(self.poll_once(), timeout_s)
         except Exception as e:  # noqa: BLE001 - best effort; the chunk is handed over either way
             log.info("stream %s: last identification skipped: %s", self.stream_id, e)

@@ -65,6 +65,12 @@ class Recorder:
     def voice(self, vec: np.ndarray) -> None:
         self.voices.append((max(self.step - self.first_step - 1, 0), vec))
 
+    @property
+    def steps_since_poll(self) -> int:
+        """Steps of this chunk after its last recorded face or voice (all of them when it has none)."""
+        last = max([t for t, _ in self.faces + self.voices], default=-1)
+        return self.steps - 1 - last
+
     def cut(self) -> StreamChunk | None:
         """The chunk recorded so far (None when empty), without anyone about to be forgotten; recording
         continues into the next one."""

@@ -16,7 +16,7 @@ from moshi.utils.compile import no_compile
 
 from egomem.dialog import DialogEngine, NoFreeSlotError
 from egomem.dialog.checkpoint import build_lm
-from egomem.dialog.engine import sample_text
+from egomem.dialog.engine import sample_text, stream_uniform
 from egomem.dialog.kv_cache import KVCacheTooLarge, check_fits
 
 TINY = dict(dim=64, num_heads=2, num_layers=2, card=32, text_card=40, context=32, depformer_dim=32,
@@ -306,6 +306,20 @@ def test_start_temperature_keeps_the_odds_of_starting_and_sharpens_the_word():
     logits, pad = _wait_or_word(0.4, (0.35, 0.25))
     assert (sample_text(logits, pad, 0.0, 25) == pad).all()
     assert (sample_text(logits, pad, 0.0, 25, start_temperature=0.0) == 10).all()
+
+
+def test_stream_uniform_draws_are_uniform_and_a_function_of_seed_and_step_only():
+    steps = torch.arange(20000)
+    u = stream_uniform(torch.full_like(steps, 7), steps)
+    assert u.dtype == torch.float32 and 0 <= float(u.min()) and float(u.max()) < 1
+    hist = torch.histc(u, bins=10, min=0, max=1) / len(u)
+    assert (hist - 0.1).abs().max() < 0.01  # uniform
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.03  # next step's draw unrelated
+    other = stream_uniform(torch.full_like(steps, 8), steps)
+    assert (u == stream_uniform(torch.full_like(steps, 7), steps)).all() and (u != other).float().mean() > 0.99
+    logits, pad = _wait_or_word(0.8, (0.15, 0.05))  # 0.2 to speak: the given uniforms decide, not torch's
+    started = sample_text(logits, pad, 0.0, 25, start_temperature=1.0, uniform=u[:len(logits), None, None])
+    assert ((started[..., 0, 0] != pad) == (u[:len(logits)] >= 0.8)).all()
 
 
 def test_engine_draws_turn_starts_only_while_silent():

@@ -84,7 +84,9 @@ def test_recorder_cuts_chunks_with_aligned_audio_and_zero_tokens(tmp_path):
         speak = np.full(8, -2 if t == 0 else 5, np.int64)  # the model's warm-up tick
         rec.tick(-2 if t == 0 else 65, speak, np.arange(8), np.full(1920, t, np.float32), "" if t == 0 else "a")
     rec.transcript_line("my name is Ada")
+    assert rec.steps_since_poll == 3  # never looked at: the stream's last look must (IdentityPoller.finish)
     rec.face(np.ones(4, np.float32))
+    assert rec.steps_since_poll == 0
     chunk = rec.cut()
     assert chunk.tokens.shape == (3, 17) and (chunk.tokens[0, :9] == -1).all() and chunk.tokens[1, 0] == 65
     assert chunk.listen_audio.shape == (3 * 1920,) and chunk.listen_audio[1920] == 1.0

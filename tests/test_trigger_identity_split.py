@@ -83,6 +83,23 @@ def test_faces_alone_split_and_no_evidence_leaves_the_session():
     assert len(split_sessions([(10, 250)], tok, [(30, A), (200, A)], voices, RULE)) == 2
 
 
+def test_a_session_without_polls_borrows_the_first_poll_after_it_and_never_the_next_sessions():
+    # the demo's day 1: one user, a 0.6 s pause cuts the trigger's session in two; the second (36-48) is
+    # shorter than the 2 s poll interval, and only the stream's last look (step 54) saw who spoke it
+    tok = stream_tokens(60, user=[(7, 28), (36, 48)], assistant=[])
+    faces, voices = [(25, A), (54, jitter(A, 1))], [(25, A), (54, jitter(A, 2))]
+    pieces = split_sessions([(7, 28), (36, 48)], tok, faces, voices, RULE)
+    assert [(p.start, p.end, p.face_steps, p.voice_steps) for p in pieces] == [
+        (7, 28, [25], [25]), (36, 48, [54], [54])]
+    # a poll beyond the voice window (38 steps) heard none of it: no evidence, a stranger, not A
+    far = split_sessions([(7, 28), (36, 48)], tok, [(25, A), (90, A)], [(25, A), (90, A)], RULE)
+    assert (far[1].face_steps, far[1].voice_steps) == ([], [])
+    # a poll inside the next session is that session's: the poll-less one between does not take it
+    tok = stream_tokens(120, user=[(7, 28), (36, 48), (52, 110)], assistant=[])
+    pieces = split_sessions([(7, 28), (36, 48), (52, 110)], tok, [(25, A), (75, B), (100, B)], [], RULE)
+    assert [p.face_steps for p in pieces] == [[25], [], [75, 100]]
+
+
 @pytest.fixture(scope="module")
 def heldout():
     cache = CodeCache.load(CACHE)

@@ -60,8 +60,28 @@ def draw_token(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Te
     return torch.argmax(logits, dim=-1) if temperature <= 0 else sample_token(logits.float(), True, temperature, top_k)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons) on the low 32 bits of int64 `x`: products wrap mod 2**64, so the low 32 bits
+    are exact on CPU and CUDA alike."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def stream_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A uniform in [0, 1) per (stream seed, step) `[B]` int64 -> `[B]` float32: a counter-based draw, so a
+    stream's draws depend on its seed and its own steps only, never on which streams share the tick or on the
+    process's generator (a served stream replays exactly; CUDA-graph safe: no generator state)."""
+    return (_hash32(_hash32(seeds) + steps) >> 8).float() / float(1 << 24)
+
+
 def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
-                start_temperature: float | None = None, silent: torch.Tensor | None = None) -> torch.Tensor:
+                start_temperature: float | None = None, silent: torch.Tensor | None = None,
+                uniform: torch.Tensor | None = None) -> torch.Tensor:
     """The text token from `logits` [..., card]: greedy at temperature 0, else top-k sampling at `temperature`.
 
     With `start_temperature`, a silent channel (`silent` [...]: its last token the pad; None: every row) draws
@@ -70,7 +90,8 @@ def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
     words only. One temperature over every token squares an uncertain turn start away (at T = 0.5 a 10 %
     chance to start becomes about 1 %; greedy never opens a turn whose moment is uncertain), while the words
     want a low one; a channel mid-reply keeps the one draw, so the replies are not broken by pads
-    (docs/training.md#when-to-speak)."""
+    (docs/training.md#when-to-speak). `uniform` (shaped like `logits` without its last dim): the wait
+    draw's uniforms (`stream_uniform`); None: the process's generator."""
     if start_temperature is None:
         return draw_token(logits, temperature, top_k)
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -79,7 +100,8 @@ def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
     if start_temperature <= 0:
         wait = log_wait >= log_start
     else:
-        wait = torch.rand_like(log_wait) < torch.sigmoid((log_wait - log_start) / start_temperature)
+        u = torch.rand_like(log_wait) if uniform is None else uniform.to(log_wait.dtype)
+        wait = u < torch.sigmoid((log_wait - log_start) / start_temperature)
     words = logits.clone()
     words[..., pad] = float("-inf")
     two_step = torch.where(wait, pad, draw_token(words, temperature, top_k))
@@ -143,6 +165,8 @@ class DialogEngine:
         self.initial = lm._get_initial_token()  # [1, K, 1]
         self.free = list(range(max_streams))[::-1]
         self.active: set[int] = set()
+        # each slot's stream seed: its turn-start draws are stream_uniform(seed, step) (open(seed=...))
+        self.seeds = torch.zeros(max_streams, device=self.device, dtype=torch.long)
         self.all_slots = torch.arange(max_streams, device=self.device)  # step_all's rows: every slot, fixed shape
         # tick() runs step_all (fixed shape) or step (only the named slots); default: fixed on CUDA
         self.fixed_shape_tick = self.device.type == "cuda" if fixed_shape_tick is None else fixed_shape_tick
@@ -156,12 +180,16 @@ class DialogEngine:
 
     # ---------------------------------------------------------------- slots
 
-    def open(self) -> int:
-        """Claim a free slot, reset to an empty stream whose L1 and L2 are empty (text pad, attended)."""
+    def open(self, seed: int | None = None) -> int:
+        """Claim a free slot, reset to an empty stream whose L1 and L2 are empty (text pad, attended).
+        `seed` fixes the stream's turn-start draws (`stream_uniform`); None draws one from torch's generator."""
         if not self.free:
             raise NoFreeSlotError(
                 f"no free stream slot: all {self.max_streams} are in use; close one or raise max_streams")
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, ()))
         slot = self.free.pop()
+        self.seeds[slot] = int(seed) & _MASK32
         self.cache.reset(slot)
         if self.empty_chunks is not None:
             self.cache.write_chunk(slot, 0, *self.empty_chunks)
@@ -376,7 +404,7 @@ class DialogEngine:
             x = self._finish_layer(layer, x, attn.reshape(B, 1, -1))  # attn [B, H, D] -> [B, 1, C]
         out = lm.out_norm(x) if lm.out_norm else x  # [B, 1, C]; the tiny preset has no final norm (presets.py)
         text_logits = lm.text_linear(out)[:, None]  # [B, 1, 1, text_card]
-        text = self._sample_text(text_logits, inputs[:, 0, 0])[:, 0, 0]  # [B]
+        text = self._sample_text(text_logits, inputs[:, 0, 0], rows, offsets)[:, 0, 0]  # [B]
         audio = self._depformer(text, out)  # [B, dep_q]
         self.cache.advance(rows, exec_mask)
 
@@ -394,13 +422,16 @@ class DialogEngine:
             return result + (text_logits[:, 0, 0].float(),)
         return result
 
-    def _sample_text(self, logits: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """This tick's text token [B, 1, 1]; `last` [B]: the text token fed this tick (the one before)."""
+    def _sample_text(self, logits: torch.Tensor, last: torch.Tensor, rows: torch.Tensor,
+                     offsets: torch.Tensor) -> torch.Tensor:
+        """This tick's text token [B, 1, 1]; `last` [B]: the text token fed this tick (the one before);
+        `rows`, `offsets` [B]: the slots and their steps (the turn-start draws' counters)."""
         if self.start_temperature is None:  # one draw: no silence to look for
             return self._sample(logits, self.top_k_text)
         silent = (last == self.lm.text_padding_token_id) | (last == self.lm.text_initial_token_id)
+        uniform = stream_uniform(self.seeds[rows], offsets)[:, None, None]  # [B, 1, 1]
         return sample_text(logits, self.lm.text_padding_token_id, self.temperature, self.top_k_text,
-                           self.start_temperature, silent[:, None, None])
+                           self.start_temperature, silent[:, None, None], uniform)
 
     def _sample(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         return draw_token(logits, self.temperature, top_k)

@@ -8,6 +8,7 @@ requests. Idle streams are closed by the pool's own TTL because Triton frees idl
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass
 
@@ -67,13 +68,22 @@ def build_engine(cfg: DialogConfig, device: str | None = None) -> tuple[DialogEn
     return engine, tokenizer
 
 
+def stream_seed(seed: int, stream: int) -> int:
+    """A stream's draw seed from the server's seed and its id (Triton's correlation id): 32 bits, mixed."""
+    return int(hashlib.blake2b(f"{seed}:{stream}".encode(), digest_size=4).hexdigest(), 16)
+
+
 class DialogStreamPool:
     """Stream ids -> engine slots, with a TTL for streams Triton forgot. Thread-safe."""
 
-    def __init__(self, engine: DialogEngine, tokenizer: TextTokenizer, ttl_s: float = 600.0):
+    def __init__(self, engine: DialogEngine, tokenizer: TextTokenizer, ttl_s: float = 600.0,
+                 seed: int | None = None):
+        """`seed` (`dialog.seed` when served): each stream's turn-start draws follow from it and the stream id
+        (`stream_seed`), so a stream replays exactly whatever else is served beside it; None: torch's generator."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.ttl_s = ttl_s
+        self.seed = seed
         self._slots = SlotTable("dialog")
         self._lock = threading.Lock()
 
@@ -91,7 +101,7 @@ class DialogStreamPool:
         if old is not None:
             self.engine.close(old)
         try:
-            slot = self.engine.open()
+            slot = self.engine.open(None if self.seed is None else stream_seed(self.seed, stream))
         except NoFreeSlotError as e:
             raise StreamError(f"{e} (dialog.max_streams = {self.engine.max_streams})", RowError.NO_FREE_SLOT) from e
         self._slots.put(stream, slot)

@@ -58,11 +58,12 @@ class MemoryManager:
 
     def pieces_of(self, chunk: StreamChunk) -> list[Piece]:
         """The chunk's sessions, each holding one person, with the polls that belong to it."""
-        from egomem.trigger.identity_split import Piece, split_sessions
+        from egomem.trigger.identity_split import Piece, SplitRule, borrow_trailing_polls, split_sessions
 
         sessions = decode_sessions(label_stream(self.labeler, chunk.tokens, self.window, chunk.voices))
         if self.split_rule is None:
             pieces = [Piece(a, b, _within(chunk.faces, a, b), _within(chunk.voices, a, b)) for a, b in sessions]
+            pieces = borrow_trailing_polls(pieces, chunk.faces, chunk.voices, SplitRule.window_steps)
         else:
             pieces = split_sessions(sessions, chunk.tokens, chunk.faces, chunk.voices, self.split_rule)
         if not pieces and chunk.client_transcript:  # words with no session around them still reach memory

@@ -45,6 +45,11 @@ Rules, per decoded session (start..end):
      first step, those of the person (change-point group) with the most polls there; polls of
      the other person there (a window that still heard the previous one) and dropped polls
      belong to no piece.
+  E7 Borrowed evidence: a piece with no poll of its own (shorter than the 2 s poll interval, e.g. the
+     end of a turn that the trigger cut off after a pause) takes, per modality, the first poll after its
+     end when that poll comes within `window_steps` of the end and before the next piece starts: a
+     voice poll there heard the piece, and the face in view is the one that just spoke. Without such
+     a poll the piece keeps no evidence and becomes a new unnamed user, never someone else's session.
   Not done: joining two sessions the trigger cut apart, even when the evidence says "same person"
      (tried: in noised benchmark streams it joined different people, i.e. leaked).
 
@@ -81,14 +86,14 @@ class ScoreNorm(Protocol):
 
 @dataclass
 class SplitRule:
-    """Thresholds and knobs of the identity split (see the module docstring, rules E1-E6).
+    """Thresholds and knobs of the identity split (see the module docstring, rules E1-E7).
     `egomem.memory.worker.split_rule(cfg)` builds the one the memory manager uses from config."""
 
     face_threshold: float  # cosine distance: below = same face (IdentityConfig.face_threshold_<backend>)
     voice_threshold: float  # s-normed score (or cosine similarity without `snorm`): above = same voice
     snorm: ScoreNorm | None = None  # AS-norm cohort statistics for voice scores; None: raw cosine similarity
     min_polls: int = 2  # consecutive agreeing polls that confirm a change (E3)
-    window_steps: int = 38  # a voice poll hears the last 3 s (orchestrator.identify_window_s)
+    window_steps: int = 38  # a voice poll hears the last 3 s (orchestrator.identify_window_s); also E7's reach
     min_len: int = 3  # shorter pieces are dropped (the trigger decoder's own minimum)
     min_background: int = 25  # outside-session steps (2 s) needed to learn the background codes
 
@@ -289,4 +294,20 @@ def split_sessions(sessions: Sequence[tuple[int, int]], tokens: np.ndarray, face
     out: list[Piece] = []
     for a, b in sessions:
         out += split_session(int(a), int(b), act, faces, voices, rule)
+    return borrow_trailing_polls(out, faces, voices, rule.window_steps)
+
+
+def borrow_trailing_polls(pieces: list[Piece], faces: Track, voices: Track, reach: int) -> list[Piece]:
+    """Rule E7: a piece without a poll of its own takes, per modality, the first poll after its end
+    that lies within `reach` steps of it and before the next piece's start. Pieces in step order."""
+    def first_after(track: Track, end: int, stop: int) -> list[int]:
+        return sorted(int(t) for t, _ in track if end < t <= end + reach and t < stop)[:1]
+
+    out = []
+    for i, p in enumerate(pieces):
+        if p.face_steps or p.voice_steps:
+            out.append(p)
+            continue
+        stop = pieces[i + 1].start if i + 1 < len(pieces) else p.end + reach + 1
+        out.append(Piece(p.start, p.end, first_after(faces, p.end, stop), first_after(voices, p.end, stop), p.split))
     return out

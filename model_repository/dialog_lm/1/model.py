@@ -16,7 +16,7 @@ class TritonPythonModel(SequenceBatchedModel):
     def load(self, device):
         cfg = load_config().dialog
         engine, tokenizer = build_engine(cfg, device)
-        self.pool = DialogStreamPool(engine, tokenizer, cfg.stream_ttl_s)
+        self.pool = DialogStreamPool(engine, tokenizer, cfg.stream_ttl_s, seed=cfg.seed)
         self.n_listen, self.dep_q = engine.lm.num_codebooks - engine.lm.dep_q - 1, engine.lm.dep_q
 
     def parse(self, request, stream, start, end):
