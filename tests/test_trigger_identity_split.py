@@ -91,6 +91,9 @@ def test_a_session_without_polls_borrows_the_first_poll_after_it_and_never_the_n
     pieces = split_sessions([(7, 28), (36, 48)], tok, faces, voices, RULE)
     assert [(p.start, p.end, p.face_steps, p.voice_steps) for p in pieces] == [
         (7, 28, [25], [25]), (36, 48, [54], [54])]
+    # a voice window that heard the piece before and another voice: two people, the voice is not borrowed
+    mixed = split_sessions([(7, 28), (36, 48)], tok, faces, [(25, A), (54, B)], RULE)
+    assert (mixed[1].face_steps, mixed[1].voice_steps) == ([54], [])
     # a poll beyond the voice window (38 steps) heard none of it: no evidence, a stranger, not A
     far = split_sessions([(7, 28), (36, 48)], tok, [(25, A), (90, A)], [(25, A), (90, A)], RULE)
     assert (far[1].face_steps, far[1].voice_steps) == ([], [])

@@ -48,8 +48,10 @@ Rules, per decoded session (start..end):
   E7 Borrowed evidence: a piece with no poll of its own (shorter than the 2 s poll interval, e.g. the
      end of a turn that the trigger cut off after a pause) takes, per modality, the first poll after its
      end when that poll comes within `window_steps` of the end and before the next piece starts: a
-     voice poll there heard the piece, and the face in view is the one that just spoke. Without such
-     a poll the piece keeps no evidence and becomes a new unnamed user, never someone else's session.
+     voice poll there heard the piece, and the face in view is the one that just spoke. A voice poll
+     whose 3 s window also reaches back into the piece before is taken only when it is that piece's
+     person (E2): a window that heard two people must not make one of them. Without such a poll the
+     piece keeps no evidence and becomes a new unnamed user, never someone else's session.
   Not done: joining two sessions the trigger cut apart, even when the evidence says "same person"
      (tried: in noised benchmark streams it joined different people, i.e. leaked).
 
@@ -65,7 +67,7 @@ in most codebooks).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -294,20 +296,32 @@ def split_sessions(sessions: Sequence[tuple[int, int]], tokens: np.ndarray, face
     out: list[Piece] = []
     for a, b in sessions:
         out += split_session(int(a), int(b), act, faces, voices, rule)
-    return borrow_trailing_polls(out, faces, voices, rule.window_steps)
+    return borrow_trailing_polls(out, faces, voices, rule.window_steps, rule.same_voice)
 
 
-def borrow_trailing_polls(pieces: list[Piece], faces: Track, voices: Track, reach: int) -> list[Piece]:
-    """Rule E7: a piece without a poll of its own takes, per modality, the first poll after its end
-    that lies within `reach` steps of it and before the next piece's start. Pieces in step order."""
-    def first_after(track: Track, end: int, stop: int) -> list[int]:
-        return sorted(int(t) for t, _ in track if end < t <= end + reach and t < stop)[:1]
+def borrow_trailing_polls(pieces: list[Piece], faces: Track, voices: Track, reach: int,
+                          same_voice: Callable[[np.ndarray, np.ndarray], bool] | None = None) -> list[Piece]:
+    """Rule E7: a piece without a poll of its own takes, per modality, the first poll after its end that
+    lies within `reach` steps of it and before the next piece's start. A voice poll whose window (`reach`
+    steps) also heard the piece before is taken only when it is that piece's person (`same_voice` against
+    its voice polls' mean; without `same_voice`, never): a mixed window must not make one person of two.
+    Pieces in step order."""
+    def first_after(track: Track, end: int, stop: int) -> list[tuple[int, np.ndarray]]:
+        return sorted(((int(t), v) for t, v in track if end < t <= end + reach and t < stop), key=lambda x: x[0])[:1]
 
-    out = []
+    vectors = dict((int(t), v) for t, v in voices)
+    out: list[Piece] = []
     for i, p in enumerate(pieces):
         if p.face_steps or p.voice_steps:
             out.append(p)
             continue
         stop = pieces[i + 1].start if i + 1 < len(pieces) else p.end + reach + 1
-        out.append(Piece(p.start, p.end, first_after(faces, p.end, stop), first_after(voices, p.end, stop), p.split))
+        face = [t for t, _ in first_after(faces, p.end, stop)]
+        voice = first_after(voices, p.end, stop)
+        prev = out[-1] if out else None
+        if voice and prev is not None and voice[0][0] - reach < prev.end:  # its window heard the piece before too
+            before = [vectors[t] for t in prev.voice_steps if t in vectors]
+            if same_voice is None or not before or not same_voice(_unit_mean(before), voice[0][1]):
+                voice = []
+        out.append(Piece(p.start, p.end, face, [t for t, _ in voice], p.split))
     return out
