@@ -5,8 +5,9 @@ time, else the audio track of `--video`, else the microphone when `sounddevice` 
 (PortAudio present). Camera: one or more image files (`--image`, JPEG/PNG) sent once a second in
 turn, or a video file (`--video`, anything FFmpeg decodes) whose frames go out in real time at
 `--fps` (egomem.video), scaled to the server's frame limits. A bad video file is reported before
-the chat opens. The model's voice is written to `--save-audio` (WAV) when given; its text channel
-and every event are printed as they arrive.
+the chat opens. A file's audio is followed by `--tail` seconds of silence (default 4), so the model has
+time to answer what it heard last. The model's voice is written to `--save-audio` (WAV) when given;
+every event is printed as it arrives, the model's text channel an utterance at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from egomem import protocol as P
 from egomem import video as vid
 from egomem.client import ChatSession, EgoMemClient, stream_audio
+from egomem.demo import TAIL_S, load_voice
 
 
 def _microphone():
@@ -49,28 +51,48 @@ def _describe(ev: dict) -> str:
     return json.dumps({k: v for k, v in ev.items() if k != "_t"})
 
 
+UTTERANCE_GAP_S = 0.5  # the model's text is printed a whole utterance at a time: after this long without a new piece
+
+
 async def _printer(chat: ChatSession, t0: float) -> None:
+    """Events and errors as they come; the model's text (one piece per 80 ms tick) gathered into utterances,
+    each printed with the time it began once the text channel goes quiet for `UTTERANCE_GAP_S`."""
     seen_ev, seen_text, seen_err = 0, 0, 0
-    while not chat.closed:
-        await asyncio.sleep(0.1)
-        for ev in chat.events[seen_ev:]:
-            print(f"[{time.monotonic() - t0:6.1f}s] * {_describe(ev)}", flush=True)
-        seen_ev = len(chat.events)
-        if len(chat.text) > seen_text:
-            print(f"[{time.monotonic() - t0:6.1f}s] model: {chat.text[seen_text:]!r}", flush=True)
-            seen_text = len(chat.text)
-        for e in chat.errors[seen_err:]:
-            print(f"[{time.monotonic() - t0:6.1f}s] ! {e}", flush=True)
-        seen_err = len(chat.errors)
+    said, began, last = "", 0.0, 0.0
+
+    def flush() -> None:
+        nonlocal said
+        if said.strip():
+            print(f"[{began:6.1f}s] model: {said.strip()!r}", flush=True)
+        said = ""
+
+    try:
+        while not chat.closed:
+            await asyncio.sleep(0.1)
+            now = time.monotonic() - t0
+            for ev in chat.events[seen_ev:]:
+                print(f"[{now:6.1f}s] * {_describe(ev)}", flush=True)
+            seen_ev = len(chat.events)
+            if len(chat.text) > seen_text:
+                if not said:
+                    began = now
+                said, seen_text, last = said + chat.text[seen_text:], len(chat.text), now
+            if said and now - last >= UTTERANCE_GAP_S:
+                flush()
+            for e in chat.errors[seen_err:]:
+                print(f"[{now:6.1f}s] ! {e}", flush=True)
+            seen_err = len(chat.errors)
+    finally:
+        said += chat.text[seen_text:]
+        flush()
 
 
 async def run_chat(url: str, token: str, audio: Path | None, images: list[Path], transcript: str | None,
                    seconds: float | None, save_audio: Path | None, video: Path | None = None, fps: float = 1.0,
                    max_side: int = vid.DEFAULT_MAX_SIDE, max_pixels: int = 40_000_000,
-                   max_frame_bytes: int = 2_000_000) -> int:
-    """Run one chat until the audio ends (or `seconds`, or Ctrl-C); 2 when the inputs are unusable."""
-    from egomem.demo import load_voice
-
+                   max_frame_bytes: int = 2_000_000, tail_s: float = TAIL_S) -> int:
+    """Run one chat until the audio ends (or `seconds`, or Ctrl-C); 2 when the inputs are unusable. A file's
+    audio is followed by `tail_s` of silence, so the model can answer what it heard last."""
     pcm = load_voice(audio, seconds) if audio is not None else None
     if video is not None:
         try:  # every check before the chat opens: a bad file must not cost a stream slot
@@ -83,6 +105,8 @@ async def run_chat(url: str, token: str, audio: Path | None, images: list[Path],
         source = audio or (f"{video}'s audio track" if info.has_audio else "the microphone")
         print(f"video {video}: {info.width}x{info.height}, {info.duration_s or 0:.1f} s, sent at {fps:g} frames/s; "
               f"audio from {source}", flush=True)
+    if pcm is not None and tail_s > 0:
+        pcm = np.concatenate([pcm, np.zeros(int(tail_s * P.SAMPLE_RATE), np.float32)])
     sd = _microphone() if pcm is None else None
     if pcm is None and sd is None:
         print("no microphone found (sounddevice/PortAudio): pass --audio FILE.wav (or a --video with sound)",

@@ -102,12 +102,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.fps <= 0:
         print(f"--fps {args.fps}: must be > 0", file=sys.stderr)
         return 2
+    if args.tail is not None and not args.tail >= 0:
+        print(f"--tail {args.tail}: must be >= 0", file=sys.stderr)
+        return 2
     return asyncio.run(run_chat(url, token, Path(args.audio) if args.audio else None,
                                 [Path(p) for p in args.image], args.say, args.seconds,
                                 Path(args.save_audio) if args.save_audio else None,
                                 video=Path(args.video) if args.video else None, fps=args.fps,
                                 max_pixels=cfg.identity.max_image_pixels,
-                                max_frame_bytes=cfg.orchestrator.max_message_bytes - 1))  # 1 byte: message kind
+                                max_frame_bytes=cfg.orchestrator.max_message_bytes - 1,  # 1 byte: message kind
+                                **({} if args.tail is None else {"tail_s": args.tail})))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -184,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--say", metavar="TEXT", help="what the user says, as a transcript line (no ASR on the client)")
     p.add_argument("--seconds", type=float, help="stop after this many seconds of audio")
     p.add_argument("--save-audio", metavar="WAV", help="write the model's voice here")
+    p.add_argument("--tail", type=float, default=None, metavar="SECONDS",
+                   help="silence streamed after an --audio/--video file's sound, so the model can answer (default 4)")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("demo", help="scripted two-day memory scenario, end to end on CPU",

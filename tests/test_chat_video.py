@@ -145,3 +145,32 @@ def test_chat_refuses_an_image_that_is_not_jpeg_or_png_before_connecting(tmp_pat
     assert rc == 2 and "me.jpg" in err and "not a JPEG or PNG" in err
     rc = run(run_chat("http://127.0.0.1:9", "t", SPEECH[0], [tmp_path / "gone.png"], None, None, None))
     assert rc == 2 and "gone.png" in capsys.readouterr().err
+
+
+def test_the_model_text_is_printed_an_utterance_at_a_time(capsys):
+    """One piece arrives per 80 ms tick; the terminal gets whole utterances, once the channel goes quiet or
+    the chat closes."""
+    import asyncio
+    import time
+
+    from egomem.chat import UTTERANCE_GAP_S, _printer
+
+    class Session:  # the ChatSession fields the printer reads, filled as the client fills them
+        closed, events, errors, text = False, [], [], ""
+
+    s = Session()
+
+    async def feed():
+        task = asyncio.create_task(_printer(s, time.monotonic()))
+        for piece in ("Hel", "lo ", "Ada"):
+            s.text += piece
+            await asyncio.sleep(0.08)
+        await asyncio.sleep(UTTERANCE_GAP_S + 0.3)
+        s.text += "Bye"
+        await asyncio.sleep(0.15)
+        s.closed = True
+        await task
+
+    asyncio.run(feed())
+    said = [ln.split("model: ")[1] for ln in capsys.readouterr().out.splitlines() if "model: " in ln]
+    assert said == ["'Hello Ada'", "'Bye'"]
