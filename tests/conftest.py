@@ -72,7 +72,8 @@ class TritonFixture:
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory) -> TritonFixture:
     # small batched codec steps on 2 CPU cores; the served dialog model decodes without draws (its shipped
-    # setting draws turn starts at T = 1 from the process's generator), so tests can replay a stream tick for tick
+    # setting draws turn starts at T = 1, seeded per stream id, and a replay is a new stream), so tests can
+    # replay a stream tick for tick
     cfg = test_config(tmp_path_factory.mktemp("triton"), mimi={"max_streams": 8}, dialog={"start_temperature": None})
     server = TritonServer(cfg, models=[])
     server.start()
