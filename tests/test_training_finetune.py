@@ -529,6 +529,68 @@ def test_listen_drills_refuse_a_codec_the_dataset_was_not_made_with(tmp_path, ca
     assert not (tmp_path / "run" / "listen_clips_train.npz").exists()  # refused before any clip was spoken
 
 
+# ---------------------------------------------------------------- query drills (--query-drills)
+
+
+@pytest.fixture(scope="module")
+def query_rows():
+    from egomem.config import MimiConfig
+    from egomem.training.listen import ClipBank
+    from egomem.training.query_drill import QueryRows
+    from egomem.training.streams import silence_code
+    from egomem.training.tts import TRAIN_VOICES
+    from egomem.training.types import Query
+    from egomem.trigger.codec import build_codec
+
+    codec = build_codec(MimiConfig())
+    questions = {"Where does my aunt live?": ("aunt", Query(("aunt",), ("live", "city"))),
+                 "What is my boss's name?": ("boss", Query(("boss",), ()))}
+    bank = ClipBank(codec, TRAIN_VOICES[:1], sorted(questions), seed=0, progress=False, copies=1)
+    rows = QueryRows(bank, questions, silence_code(codec), l1_bytes=LISTEN_N1)
+    yield rows
+    rows.close()
+
+
+def test_query_drills_replace_rows_keep_listening_drills_and_resume_bit_exactly(tmp_path, query_rows, listen_rows):
+    """--query-drills 1: every row is a query drill (two datasets train the same weights); with listening drills
+    too, a row already a listening drill stays one (the run differs from query drills alone); 0.5 resumes
+    bit-exactly; out-of-range shares and a missing source are refused."""
+    a, b = _listen_data(1), _listen_data(2)
+    cfg = dict(model_overrides=LISTEN_MODEL, steps=4)
+    runs = {name: load_file(str(finetune(_cfg(tmp_path, name, query_drills=1.0, **cfg), d, progress=False,
+                                         query=query_rows))) for name, d in (("a", a), ("b", b))}
+    assert all(torch.equal(runs["a"][k], runs["b"][k]) for k in runs["a"])
+    both = load_file(str(finetune(_cfg(tmp_path, "both", query_drills=1.0, listen_drills=0.5, **cfg), a,
+                                  progress=False, query=query_rows, listen=listen_rows)))
+    assert any(not torch.equal(both[k], runs["a"][k]) for k in both)
+    whole = load_file(str(finetune(_cfg(tmp_path, "half", query_drills=0.5, **cfg), a, progress=False,
+                                   query=query_rows)))
+    finetune(_cfg(tmp_path, "part", query_drills=0.5, stop_after=2, **cfg), a, progress=False, query=query_rows)
+    resumed = load_file(str(finetune(_cfg(tmp_path, "part", query_drills=0.5, resume=True, **cfg), a,
+                                     progress=False, query=query_rows)))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    with pytest.raises(ValueError, match=r"query_drills must be in \[0, 1\]"):
+        finetune(_cfg(tmp_path, "bad", query_drills=-0.1), a, progress=False, query=query_rows)
+
+
+def test_query_drills_refuse_a_codec_the_dataset_was_not_made_with(tmp_path, capsys, monkeypatch):
+    from egomem.training.dataset import write_dataset
+
+    monkeypatch.delenv("EGOMEM_CONFIG", raising=False)
+    mem = _data()  # its manifest says codec "test"
+    manifest = {k: mem.manifest[k] for k in ("n1", "n2", "tokenizer", "codec", "seed")}
+    write_dataset(tmp_path / "ds", manifest, [], [], mem.streams, mem.samples)
+    p = argparse.ArgumentParser()
+    add_finetune_args(p)
+    args = p.parse_args(["--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--query-drills", "0.5",
+                         "--no-progress"])
+    args.config = None
+    assert run_finetune(args) == 2
+    err = capsys.readouterr().err
+    assert "encoded by codec test" in err and "query drills" in err
+    assert not (tmp_path / "run" / "query_clips_train.npz").exists()
+
+
 def test_speak_dropout_silences_the_speak_rows_and_their_loss(tmp_path):
     """--speak-dropout 1: every corpus row trains with the codec's silence on its speak rows and no speak loss,
     so two datasets that differ only in what the model said train the same weights (and differ at 0); 0.5

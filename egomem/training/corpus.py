@@ -135,12 +135,16 @@ def _relations(rng: random.Random, pool: Pools, k: int) -> list[str]:
     while len(out) < k:
         core = pool.core_relations and rng.random() < 0.45  # held-out pools have no core words
         r = rng.choice(pool.core_relations if core else pool.relations)
-        if any(_contains(r, o) or _contains(o, r) for o in out):
-            continue
-        if len({w for x in (*out, r) for w in words(x)} & _SPOUSES) > 1:  # one spouse-like person per graph
-            continue
-        out.append(r)
+        if fits_with(r, out):
+            out.append(r)
     return out
+
+
+def fits_with(relation: str, others: list[str]) -> bool:
+    """`relation` may join a graph of `others`: none inside another, one spouse-like word at most (`_relations`)."""
+    if any(_contains(relation, o) or _contains(o, relation) for o in others):
+        return False
+    return len({w for x in (*others, relation) for w in words(x)} & _SPOUSES) <= 1
 
 
 def make_household(split: Split, seed: int, index: int) -> Household:
@@ -238,6 +242,15 @@ def _graph_turns(h: Household) -> list[Turn]:
             tail = _fill(_ABOUT[k][2], r=r, n=n, v=v)
             out.append(Turn(f"Tell me about my {r}.", tail, 2, Query((r,), ()), (n,), (v,)))
     return [t for t in out if len(t.reply) <= MAX_REPLY_CHARS]
+
+
+def relation_questions(relation: str) -> tuple[tuple[str, Query], ...]:
+    """Every Level-2 question about "my <relation>" whose words (and so its ground-truth query) do not depend on
+    who that person is: the name and "tell me about" questions (relation words only) and each `_ABOUT` question
+    (relation words and the kind's keywords). What the query drills speak (query_drill.py)."""
+    r = relation
+    return ((f"What is my {r}'s name?", Query((r,), ())), (f"Tell me about my {r}.", Query((r,), ())),
+            *((_fill(q, r=r), Query((r,), kw)) for qs, kw, _ in _ABOUT.values() for q in qs))
 
 
 def _general(rng: random.Random) -> Turn:

@@ -45,7 +45,7 @@ from egomem.dialog.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 from .batch import SampleError, SampleOrder, from_dialog_start, make_batch, validate_samples
 from .drills import DrillMix, check_tokenizer
 from .forward import forward, masked_loss
-from .listen import ListenRow, finetune_rows
+from .listen import DRILL_GENERATOR, ListenRow, finetune_rows
 from .lora import LoraScope, apply_lora, merged_state_dict
 from .types import Sample, to_json
 
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = "egomem-finetune-state-v1"
 # config fields a resumed run may change (where things live and how often to report); all others must match
 RESUME_FREE = {"data", "out", "init_weights", "resume", "stop_after", "ckpt_every", "eval_every", "eval_data",
-               "eval_samples", "threads", "device", "listen_bank"}
+               "eval_samples", "threads", "device", "listen_bank", "query_bank"}
 
 
 @dataclass
@@ -101,6 +101,8 @@ class TrainConfig:
     listen_questions: tuple[int, int] = (2, 3)  # spoken questions per listening drill (min, max)
     listen_voices: int = 0  # the drills speak in the first N training voices only (0: all 192)
     listen_bank: Path | None = None  # the drills' clip-bank cache; None = out/listen_clips_train.npz
+    query_drills: float = 0.0  # per row: replace it with a query drill (query_drill.py; byte tokenizer)
+    query_bank: Path | None = None  # the query drills' clip-bank cache; None = out/query_clips_train.npz
     # per corpus row: its speak rows replaced by the codec's silence and its speak loss dropped, so what the model
     # hears and answers does not hang on its own speech being the corpus's (when served, it is the model's own)
     speak_dropout: float = 0.0
@@ -180,8 +182,8 @@ def _check_config(cfg: TrainConfig) -> None:
         bad.append(f"turn_head_weight must be positive and turn_head_tokens >= 0 (got {cfg.turn_head_weight}, "
                    f"{cfg.turn_head_tokens})")
     bad += drill_mix(cfg).check()
-    bad += [f"{k} must be in [0, 1] (got {getattr(cfg, k)})" for k in ("listen_drills", "speak_dropout")
-            if not 0 <= getattr(cfg, k) <= 1]
+    bad += [f"{k} must be in [0, 1] (got {getattr(cfg, k)})" for k in ("listen_drills", "query_drills",
+                                                                       "speak_dropout") if not 0 <= getattr(cfg, k) <= 1]
     if not 1 <= cfg.listen_questions[0] <= cfg.listen_questions[1]:
         bad.append(f"listen_questions must satisfy 1 <= MIN <= MAX (got {cfg.listen_questions})")
     if cfg.listen_voices < 0:
@@ -289,12 +291,29 @@ def listen_source(cfg: TrainConfig, manifest: dict[str, Any], mimi: MimiConfig |
                          progress)
 
 
+def query_source(cfg: TrainConfig, manifest: dict[str, Any], mimi: MimiConfig | None, progress: bool
+                 ) -> ListenSource:
+    """The run's query drills (query_drill.py), spoken through the codec of `mimi`, which must be the dataset's."""
+    from egomem.trigger.codec import build_codec
+
+    from .listen import check_codec
+    from .query_drill import finetune_query_rows
+
+    codec = build_codec(mimi or MimiConfig())
+    check_codec(codec, manifest.get("codec"), "query drills")
+    return finetune_query_rows(codec, cfg.seed, int(manifest["n1"]),
+                               Path(cfg.query_bank) if cfg.query_bank else Path(cfg.out) / "query_clips_train.npz",
+                               progress=progress)
+
+
 class _Trainer:
     """The state of one run: model, fp32 master weights, optimiser, schedule, sample order, step."""
 
     def __init__(self, cfg: TrainConfig, data: DataSource, device: torch.device, dtype: torch.dtype,
-                 listen: ListenSource | None = None, silence: np.ndarray | None = None):
+                 listen: ListenSource | None = None, silence: np.ndarray | None = None,
+                 query: ListenSource | None = None):
         self.cfg, self.data, self.device, self.dtype, self.listen = cfg, data, device, dtype, listen
+        self.query = query
         self.silence = silence  # [8] the codec's silence code (speak_dropout)
         man = data.manifest
         try:
@@ -317,10 +336,12 @@ class _Trainer:
         if cfg.context == "dialog" and not callable(getattr(data, "conversation_starts", None)):
             raise ValueError("context='dialog' needs the dataset's stream layouts (a dataset folder: layouts.jsonl)")
         self.drills = drill_mix(cfg)
-        if self.drills.active or cfg.listen_drills:
+        if self.drills.active or cfg.listen_drills or cfg.query_drills:
             check_tokenizer(self.tokenizer)
         if cfg.listen_drills and listen is None:
             raise ValueError("listen_drills needs a source of listening drills (train() builds it from the codec)")
+        if cfg.query_drills and query is None:
+            raise ValueError("query_drills needs a source of query drills (train() builds it from the codec)")
         if cfg.speak_dropout and silence is None:
             raise ValueError("speak_dropout needs the codec's silence code (train() takes it from the codec)")
         if cfg.lora:
@@ -400,6 +421,9 @@ class _Trainer:
             items = [self._speak_dropout(i, *item) for i, item in enumerate(items)]
         if training and self.cfg.listen_drills:
             items = [self._listen_drill(i) or item for i, item in enumerate(items)]
+        if training and self.cfg.query_drills:  # a row already a listening drill stays one
+            items = [item if item[0].generator == DRILL_GENERATOR else self._query_drill(i) or item
+                     for i, item in enumerate(items)]
         batch = make_batch(self.lm, self.tokenizer, items, self.n1, self.n2, self.window).to(self.device)
         with no_compile():
             out = forward(self.lm, batch.chunks, batch.stream)
@@ -422,6 +446,13 @@ class _Trainer:
         if r.random() >= self.cfg.listen_drills:
             return None
         return self.listen.row(r).as_sample()
+
+    def _query_drill(self, i: int) -> tuple[Sample, np.ndarray] | None:
+        """Row i of this step's batch as a query drill, or None to keep it (its own generator, as `_listen_drill`)."""
+        r = random.Random(f"{self.cfg.seed}/{self.step}/{i}/query")
+        if r.random() >= self.cfg.query_drills:
+            return None
+        return self.query.row(r).as_sample()
 
     def train_step(self) -> dict[str, float]:
         """One optimiser step on the next batch of the sample order."""
@@ -479,10 +510,12 @@ def _eval_set(cfg: TrainConfig, data: DataSource) -> tuple[list[Sample], DataSou
 
 
 def train(cfg: TrainConfig, data: DataSource | None = None, progress: bool = True, mimi: MimiConfig | None = None,
-          listen: ListenSource | None = None, silence: np.ndarray | None = None) -> TrainResult:
+          listen: ListenSource | None = None, silence: np.ndarray | None = None,
+          query: ListenSource | None = None) -> TrainResult:
     """Run (or resume) the fine-tuning `cfg` describes; `data` defaults to the dataset folder `cfg.data`;
     with `listen_drills`, `listen` defaults to `listen_source` over the codec of `mimi` (closed at the end; a
-    `listen` passed in is the caller's); with `speak_dropout`, `silence` (`[8]` codes) to that codec's silence."""
+    `listen` passed in is the caller's); with `query_drills`, `query` likewise to `query_source`; with
+    `speak_dropout`, `silence` (`[8]` codes) to that codec's silence."""
     _check_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -491,6 +524,7 @@ def train(cfg: TrainConfig, data: DataSource | None = None, progress: bool = Tru
     out = Path(cfg.out)
     ckpt = run_checkpoint(out, cfg.resume, "fine-tuning")
     own = listen_source(cfg, data.manifest, mimi, progress) if cfg.listen_drills and listen is None else None
+    own_query = query_source(cfg, data.manifest, mimi, progress) if cfg.query_drills and query is None else None
     try:
         if cfg.speak_dropout and silence is None:
             from egomem.trigger.codec import build_codec
@@ -498,10 +532,12 @@ def train(cfg: TrainConfig, data: DataSource | None = None, progress: bool = Tru
             from .streams import silence_code
 
             silence = silence_code(build_codec(mimi or MimiConfig())).astype(np.int64)
-        return _train(cfg, data, progress, _Trainer(cfg, data, device, dtype, listen or own, silence), ckpt)
+        trainer = _Trainer(cfg, data, device, dtype, listen or own, silence, query or own_query)
+        return _train(cfg, data, progress, trainer, ckpt)
     finally:
-        if own is not None:
-            own.close()
+        for source in (own, own_query):
+            if source is not None:
+                source.close()
 
 
 def _train(cfg: TrainConfig, data: DataSource, progress: bool, t: _Trainer, ckpt: Path) -> TrainResult:
@@ -574,10 +610,11 @@ def _write_model(t: _Trainer, out: Path, losses: list[float], final_eval: dict[s
 
 
 def finetune(cfg: TrainConfig, data: DataSource | None = None, progress: bool = True, mimi: MimiConfig | None = None,
-             listen: ListenSource | None = None, silence: np.ndarray | None = None) -> Path:
+             listen: ListenSource | None = None, silence: np.ndarray | None = None,
+             query: ListenSource | None = None) -> Path:
     """Run `cfg` (`train`'s arguments); the path of `lm.safetensors` (or of the checkpoint when `stop_after`
     ended it early)."""
-    return train(cfg, data, progress, mimi, listen, silence).path
+    return train(cfg, data, progress, mimi, listen, silence, query).path
 
 
 # ---------------------------------------------------------------- CLI (wired by egomem/cli.py)
@@ -618,6 +655,11 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
                    help="listening drills speak in the first N training voices (0: all)")
     p.add_argument("--listen-bank", type=Path, help="the drills' clip-bank cache (default: <out>/listen_clips_train.npz; "
                    "a train-backbone --task listen run folder's listen_clips_train.npz is the same bank)")
+    p.add_argument("--query-drills", type=float, default=d.query_drills,
+                   help="share of rows replaced by query drills (a spoken question about 'my <relation>', then the "
+                        "<retr> query with that entry of the profile's people: line)")
+    p.add_argument("--query-bank", type=Path, help="the query drills' clip-bank cache (default: "
+                   "<out>/query_clips_train.npz)")
     p.add_argument("--speak-dropout", type=float, default=d.speak_dropout,
                    help="share of corpus rows whose speak rows are the codec's silence (text loss only), so the "
                         "model hears whatever it said itself")

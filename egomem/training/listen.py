@@ -57,7 +57,7 @@ from .forward import dialog_inputs, turn_heads
 from .memory_text import MemoryTexts
 from .streams import NOISE_CLIP_FRAMES, StreamSpec, silence_code
 from .tts import HELDOUT_VOICES, TRAIN_VOICES, TTSCache, Voice
-from .types import Household, Profile, Sample, Span, Split
+from .types import Household, Profile, Sample, SampleKind, Span, Split
 
 HOUSEHOLD_SEED = 7  # the drills' people: corpus households of this seed (the training corpus uses 0)
 HOUSEHOLDS = 100_000  # drawn from make_household(split, HOUSEHOLD_SEED, 0..HOUSEHOLDS-1)
@@ -182,15 +182,18 @@ class ListenRow:
     noise_copy: int | None = None  # ... over which of the bank's backgrounds (None: clean)
     spoken: list[tuple[int, str]] = field(default_factory=list)  # (tick, question): what the listen rows hold
     l1_text: str = ""  # the L1 MemChunk text `chunk` encodes
+    kind: SampleKind = "l1_response"  # what `as_sample` calls it: a query drill (query_drill.py) is "l2_query"
+    supervised: tuple[int, int] | None = None  # the text ticks `as_sample` supervises; None: the whole dialog
+    generator: str = DRILL_GENERATOR
 
     def as_sample(self) -> tuple[Sample, np.ndarray]:
-        """The row as `egomem finetune` trains it (`--listen-drills`): a Level-1 sample in the serving layout
-        (this profile as the L1 MemChunk, an empty L2, the dialog from position n1 + n2), its text channel
-        supervised over the whole dialog as this stage supervises it, no speak loss (the speak rows hold the
-        codec's silence)."""
-        T = self.stream.shape[1]
-        return Sample(DRILL_STREAM, "l1_response", self.l1_text, "", (Span(0, T),), (),
-                      generator=DRILL_GENERATOR), self.stream
+        """The row as `egomem finetune` trains it (`--listen-drills`, `--query-drills`): a sample in the serving
+        layout (this profile as the L1 MemChunk, an empty L2, the dialog from position n1 + n2), its text
+        channel supervised over `supervised` (a listening drill: the whole dialog, as this stage supervises
+        it), no speak loss (the speak rows hold the codec's silence)."""
+        a, b = self.supervised or (0, self.stream.shape[1])
+        return Sample(DRILL_STREAM, self.kind, self.l1_text, "", (Span(a, b),), (),
+                      generator=self.generator), self.stream
 
 
 class ListenRows:
@@ -247,23 +250,31 @@ class ListenRows:
             text.append((t, ids))
             answers.append(Answer(t, t + len(ids), t + v0, t + v1, not turn.user))
             t += len(ids) + r.randint(*s.pause)
-        T = t + s.tail
-        stream = np.empty((17, T), np.int64)
-        stream[0] = self.tok.pad_id
-        stream[1:9] = self.silence[:, None]
-        if copy is None:
-            stream[9:] = self.silence[:, None]
-        else:
-            bg = self.bank.background[(voice, copy)]
-            a0 = r.randrange(len(bg))
-            stream[9:] = np.concatenate([bg] * (-(-(T + a0) // len(bg))))[a0:a0 + T].T
-        for at, ids in text:
-            stream[0, at:at + len(ids)] = ids
-        for at, codes in heard:  # a clip's tail runs on under the reply (cut where the row ends)
-            codes = codes[:T - at]
-            stream[9:, at:at + len(codes)] = codes.T
+        stream = drill_stream(t + s.tail, text, heard, self.silence, self.bank, voice, copy, r)
         l1 = self.texts.l1(p.user_id)
         return ListenRow(self.tok.encode(l1), stream, answers, voice, copy, spoken, l1)
+
+
+def drill_stream(T: int, text: Sequence[tuple[int, list[int]]], heard: Sequence[tuple[int, np.ndarray]],
+                 silence: np.ndarray, bank: ClipBank, voice: Voice, copy: int | None, r: random.Random) -> np.ndarray:
+    """A drill row's `[17, T]` frames: `text` (tick, ids) on the text row (pad elsewhere), the speak rows the
+    codec's silence, the listen rows the `heard` (tick, codes) clips over silence, or (`copy` not None) over
+    that background of `voice` from a random offset (drawn from `r`)."""
+    stream = np.empty((17, T), np.int64)
+    stream[0] = ByteTokenizer.pad_id
+    stream[1:9] = silence[:, None]
+    if copy is None:
+        stream[9:] = silence[:, None]
+    else:
+        bg = bank.background[(voice, copy)]
+        a0 = r.randrange(len(bg))
+        stream[9:] = np.concatenate([bg] * (-(-(T + a0) // len(bg))))[a0:a0 + T].T
+    for at, ids in text:
+        stream[0, at:at + len(ids)] = ids
+    for at, codes in heard:  # a clip's tail runs on under the reply (cut where the row ends)
+        codes = codes[:T - at]
+        stream[9:, at:at + len(codes)] = codes.T
+    return stream
 
 
 @dataclass
@@ -399,17 +410,22 @@ def init_listen_embeddings(lm: LMModel, codec: torch.nn.Module, frames: np.ndarr
     return r
 
 
+def check_codec(codec: torch.nn.Module, dataset_codec: str | None, what: str) -> None:
+    """Refuse drills (`what`) spoken through another codec than the dataset's (`dataset_codec`: the fingerprint
+    its manifest records): a codec that hears otherwise would teach the model two languages."""
+    got = codec_fingerprint(codec)
+    if dataset_codec is not None and got != dataset_codec:
+        raise ValueError(f"the dataset's audio was encoded by codec {dataset_codec}; the {what} would be "
+                         f"encoded by {got}: give the [mimi] config the dataset was made with (--config)")
+
+
 def finetune_rows(codec: torch.nn.Module, dataset_codec: str | None, seed: int, voices: int | None,
                   questions: tuple[int, int], l1_bytes: int, cache: Path | None, progress: bool = True,
                   greeting_p: float = GREETING_P, noised_p: float = NOISED_P) -> ListenRows:
     """The training rows `egomem finetune --listen-drills` mixes in: training people and voices, the bank of
     `train-backbone --task listen` (same codec, voices and seed: its cache is reused), the L1 cut to the
-    dataset's `l1_bytes`. `dataset_codec`: the fingerprint the dataset's manifest records; a codec that hears
-    otherwise would teach the model two languages, so it is refused."""
-    got = codec_fingerprint(codec)
-    if dataset_codec is not None and got != dataset_codec:
-        raise ValueError(f"the dataset's audio was encoded by codec {dataset_codec}; the listening drills would be "
-                         f"encoded by {got}: give the [mimi] config the dataset was made with (--config)")
+    dataset's `l1_bytes`. `dataset_codec`: the fingerprint the dataset's manifest records (`check_codec`)."""
+    check_codec(codec, dataset_codec, "listening drills")
     bank = ClipBank(codec, TRAIN_VOICES[:voices or None], fixed_questions(), seed, progress, cache)
     return ListenRows(bank, "train", silence_code(codec), questions, greeting_p, noised_p, l1_bytes=l1_bytes)
 

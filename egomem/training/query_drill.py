@@ -1,0 +1,149 @@
+"""Query drills: a spoken question about "my <relation>", and the `<retr>` query the model writes after it.
+
+Fine-tuned on the corpus, the tiny model learns to write a well-formed Level-2 query whose relation words are
+entries of the Level-1 profile's `people:` line, but the wrong entry (docs/training.md, "Level 2 as its own
+stage"): a corpus of 400 households holds about 1,600 Level-2 turns, too few to learn which of 3-5 listed
+relations was *heard*. A query drill is one such turn, cheap, drawn afresh every time:
+
+- a row is a training household's main user, one of whose relations is set to a relation of the drill bank
+  (the others kept; it must fit with them as `corpus.fits_with` says: the ground-truth query stays unambiguous), rendered by the real
+  memory store into the Level-1 MemChunk as serving renders it (`MemoryTexts`: the `people:` line lists the
+  relations), an empty Level-2 chunk;
+- the dialog: with probability `greeting_p` the model's greeting, then one question about that relation
+  (`corpus.relation_questions`: its name, "tell me about", or a fact kind whose keywords the query carries),
+  spoken in a training voice (half the rows through background noise), then, after `StreamSpec.query_gap`,
+  the ground-truth `<retr>:\\n<relation>\\n<keywords><answer>` on the text channel;
+- supervised as the corpus's `l2_query` samples (masks.py): the text channel from the row's first tick to
+  the end of the query words (the greeting, the silence while the user speaks, the query), no speak loss.
+
+The questions are spoken once per (question, voice) into a `listen.ClipBank` (cached in the run folder):
+`relations` training relations (the 23 core ones and a seeded draw of the rest) x `templates` questions each
+(a seeded draw) x `voices` training voices spread over the 192, clean and `NOISED_COPIES` noised.
+`egomem finetune --query-drills P` mixes them in like `--listen-drills`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from egomem.dialog.tokenizer import ByteTokenizer
+
+from .corpus import fits_with, greeting, make_household, relation_questions
+from .listen import HOUSEHOLD_SEED, HOUSEHOLDS, ClipBank, ListenRow, drill_stream
+from .memory_text import MemoryTexts
+from .streams import StreamSpec, silence_code
+from .tts import TRAIN_VOICES, Voice
+from .types import Edge, Household, Query
+from .vocab import CORE_RELATIONS, pools
+
+RELATIONS = 160  # training relations the bank speaks (the core ones always among them)
+TEMPLATES = 2  # questions per relation
+VOICES = 24  # training voices, spread over the 192
+NOISED_COPIES = 1  # noised copies of every clip
+GREETING_P, NOISED_P = 0.3, 0.5
+QUERY_GENERATOR = "query-drill"
+
+
+def bank_questions(relations: int, templates: int, seed: int) -> dict[str, tuple[str, Query]]:
+    """question -> (relation, its ground-truth query): `templates` of each of `relations` training relations
+    (the core relations first, then a seeded draw of the others; each relation's questions a seeded draw)."""
+    pool = pools("train").relations
+    core = [r for r in pool if r in CORE_RELATIONS]
+    rest = [r for r in pool if r not in CORE_RELATIONS]
+    chosen = core[:relations] + random.Random(f"query-drill/{seed}").sample(rest, max(0, min(len(rest),
+                                                                                             relations - len(core))))
+    out: dict[str, tuple[str, Query]] = {}
+    for rel in chosen:
+        qs = relation_questions(rel)
+        for q, query in random.Random(f"query-drill/{seed}/{rel}").sample(qs, min(templates, len(qs))):
+            out[q] = (rel, query)
+    return out
+
+
+def bank_voices(n: int) -> tuple[Voice, ...]:
+    """`n` training voices spread evenly over the list (its accents and settings come in runs)."""
+    step = max(1, len(TRAIN_VOICES) // max(1, n))
+    return TRAIN_VOICES[::step][:n]
+
+
+class QueryRows:
+    """Draws query-drill rows (module docstring) from `bank`, whose questions `questions` maps to their relation
+    and query. Every draw comes from the `random.Random` passed in."""
+
+    def __init__(self, bank: ClipBank, questions: dict[str, tuple[str, Query]], silence: np.ndarray,
+                 greeting_p: float = GREETING_P, noised_p: float = NOISED_P, l1_bytes: int = 512,
+                 spec: StreamSpec | None = None):
+        missing = [q for q in questions if (q, bank.voices[0]) not in bank.clean]
+        if missing:
+            raise ValueError(f"the clip bank does not speak {len(missing)} of the drill questions "
+                             f"(e.g. {missing[0]!r}): build it with the same questions")
+        self.bank, self.questions, self.silence = bank, questions, np.asarray(silence, np.int64)
+        self.asked = sorted(questions)
+        self.greeting_p, self.noised_p = greeting_p, noised_p
+        self.spec = spec or StreamSpec()
+        self.tok = ByteTokenizer()
+        self.texts = MemoryTexts([], l1_bytes=l1_bytes)
+        self._l1: dict[tuple[int, int, str], str] = {}  # (household, edge, relation) -> its L1 text
+
+    def close(self) -> None:
+        self.texts.close()
+
+    def _household(self, r: random.Random, relation: str) -> tuple[int, int, Household]:
+        """A training household with edge j set to `relation`, no other relation overlapping it."""
+        while True:
+            i = r.randrange(HOUSEHOLDS)
+            h = make_household("train", HOUSEHOLD_SEED, i)
+            j = r.randrange(len(h.edges))
+            if fits_with(relation, [e.relation for k, e in enumerate(h.edges) if k != j]):
+                edges = tuple(Edge(e.other, relation) if k == j else e for k, e in enumerate(h.edges))
+                return i, j, replace(h, edges=edges)
+
+    def _l1_text(self, i: int, j: int, h: Household) -> str:
+        key = (i, j, h.edges[j].relation)
+        if key not in self._l1:  # the store holds each variant under its own ids
+            tag = f"~{len(self._l1)}"
+            people = {p.user_id: replace(p, user_id=p.user_id + tag) for p in (h.main, *h.related)}
+            self.texts.add(Household(people[h.main.user_id], tuple(people[p.user_id] for p in h.related),
+                                     tuple(Edge(e.other + tag, e.relation) for e in h.edges), h.split))
+            self._l1[key] = self.texts.l1(h.main.user_id + tag)
+        return self._l1[key]
+
+    def row(self, r: random.Random) -> ListenRow:
+        question = r.choice(self.asked)
+        relation, query = self.questions[question]
+        i, j, h = self._household(r, relation)
+        voice = r.choice(self.bank.voices)
+        copy = r.randrange(self.bank.copies) if r.random() < self.noised_p else None
+        s = self.spec
+        t = r.randint(*s.lead_in)
+        text: list[tuple[int, list[int]]] = []
+        if r.random() < self.greeting_p:
+            ids = self.tok.encode(greeting(h.main, r).reply)
+            text.append((t, ids))
+            t += len(ids) + r.randint(*s.pause)
+        codes = self.bank.clean[(question, voice)] if copy is None else self.bank.noised[(question, voice, copy)]
+        heard, asked_at = [(t, codes)], t
+        t += self.bank.speech_frames(codes) + r.randint(*s.query_gap)
+        ids = self.tok.encode(query.text())
+        text.append((t, ids))
+        end = t + len(ids)
+        stream = drill_stream(end, text, heard, self.silence, self.bank, voice, copy, r)
+        l1 = self._l1_text(i, j, h)
+        return ListenRow(self.tok.encode(l1), stream, [], voice, copy, [(asked_at, question)], l1,
+                         kind="l2_query", supervised=(0, end), generator=QUERY_GENERATOR)
+
+
+def finetune_query_rows(codec: torch.nn.Module, seed: int, l1_bytes: int, cache: Path | None,
+                        relations: int = RELATIONS, templates: int = TEMPLATES, voices: int = VOICES,
+                        progress: bool = True) -> QueryRows:
+    """The rows `egomem finetune --query-drills` mixes in, their bank cached at `cache` (built when absent or
+    made with other inputs: about 10 minutes on one core at the defaults)."""
+    questions = bank_questions(relations, templates, seed)
+    bank = ClipBank(codec, bank_voices(voices), sorted(questions), seed, progress, cache, copies=NOISED_COPIES)
+    return QueryRows(bank, questions, silence_code(codec), l1_bytes=l1_bytes)
+

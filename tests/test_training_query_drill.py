@@ -1,0 +1,90 @@
+"""Query drills (egomem/training/query_drill.py): a spoken question about "my <relation>" and the `<retr>` query
+written after it, the relation one entry of the Level-1 profile's `people:` line."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from egomem.config import MimiConfig
+from egomem.dialog.tokenizer import ByteTokenizer
+from egomem.training.corpus import fits_with, relation_questions
+from egomem.training.listen import ClipBank
+from egomem.training.query_drill import QueryRows, bank_questions, bank_voices
+from egomem.training.streams import StreamSpec, silence_code
+from egomem.training.tts import TRAIN_VOICES
+from egomem.training.types import Query
+from egomem.training.vocab import CORE_RELATIONS
+from egomem.trigger.codec import build_codec
+
+TOK = ByteTokenizer()
+QUESTIONS = {"Where does my aunt live?": ("aunt", Query(("aunt",), ("live", "city"))),
+             "Tell me about my best friend's sister.": ("best friend's sister", Query(("best friend's sister",), ())),
+             "What is my roommate's name?": ("roommate", Query(("roommate",), ()))}
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return build_codec(MimiConfig())
+
+
+@pytest.fixture(scope="module")
+def rows(codec):
+    bank = ClipBank(codec, TRAIN_VOICES[:1], sorted(QUESTIONS), seed=0, progress=False, copies=1)
+    r = QueryRows(bank, QUESTIONS, silence_code(codec))
+    yield r
+    r.close()
+
+
+def test_the_bank_speaks_every_core_relation_and_each_question_carries_its_query():
+    qs = bank_questions(40, 2, seed=0)
+    assert bank_questions(40, 2, seed=0) == qs  # seeded
+    relations = {rel for rel, _ in qs.values()}
+    assert CORE_RELATIONS <= relations and len(relations) == 40
+    assert {rel for rel, _ in bank_questions(40, 2, seed=1).values()} != relations  # the rest is a seeded draw
+    for q, (rel, query) in qs.items():
+        assert f"my {rel}" in q and query.relations == (rel,)
+        assert (q, query) in relation_questions(rel)
+    assert ("Where does my aunt live?", Query(("aunt",), ("live", "city"))) in relation_questions("aunt")
+    assert ("What is my aunt's name?", Query(("aunt",), ())) in relation_questions("aunt")
+    assert len(bank_voices(24)) == 24 and len(set(bank_voices(24))) == 24
+    assert len({v.name.split("+")[0] for v in bank_voices(24)}) > 1  # spread over the accents, not the first 24
+
+
+def test_a_query_drill_asks_about_a_listed_relation_and_writes_its_query(rows):
+    silence = rows.silence
+    for seed in range(12):
+        row = rows.row(random.Random(seed))
+        sample, tokens = row.as_sample()
+        (tick, question), = row.spoken
+        rel, query = QUESTIONS[question]
+        assert sample.kind == "l2_query" and sample.l2_text == "" and sample.generator == "query-drill"
+        people = next(line for line in sample.l1_text.splitlines() if line.startswith("people: "))
+        listed = [e.rsplit(" (", 1)[1].rstrip(")") for e in people[len("people: "):].split("; ")]
+        assert listed.count(rel) == 1 and fits_with(rel, [x for x in listed if x != rel])
+        T = tokens.shape[1]
+        ids = TOK.encode(query.text())
+        assert tokens[0, T - len(ids):].tolist() == ids  # the row ends with the query words
+        start = T - len(ids)
+        clip = rows.bank.clean[(question, row.voice)] if row.noise_copy is None else \
+            rows.bank.noised[(question, row.voice, row.noise_copy)]
+        lo, hi = StreamSpec().query_gap
+        assert tick + rows.bank.speech_frames(clip) + lo <= start <= tick + rows.bank.speech_frames(clip) + hi
+        n = min(len(clip), T - tick)
+        assert np.array_equal(tokens[9:, tick:tick + n], clip[:n].T)  # heard where the row says
+        assert (tokens[1:9] == silence[:, None]).all() and not sample.speak  # the model says nothing aloud
+        assert [(s.start, s.end) for s in sample.text] == [(0, T)]
+        before = TOK.decode([int(x) for x in tokens[0, :tick] if x != TOK.pad_id])
+        assert (tokens[0, tick:start] == TOK.pad_id).all()  # silent while the user asks
+        assert before == "" or before.split("!")[0].split()[-1] in sample.l1_text  # a greeting names them
+    assert len({rows.row(random.Random(s)).spoken[0][1] for s in range(12)}) == len(QUESTIONS)
+
+
+def test_a_bank_that_lacks_the_drill_questions_is_refused(rows, codec):
+    with pytest.raises(ValueError, match="does not speak 1 of the drill questions"):
+        QueryRows(rows.bank, {**QUESTIONS, "Where does my uncle live?": ("uncle", Query(("uncle",), ("live",)))},
+                  silence_code(codec))
