@@ -159,12 +159,17 @@ def test_query_scores():
     assert (s.precision, s.recall, s.exact, s.found) == (1.0, 1.0, True, True)
     s = query_scores(RetrievalQuery(("sister",), ()), SISTER_Q)
     assert (s.precision, s.recall, s.exact) == (1.0, 0.5, False)
+    assert (s.relations_exact, s.keywords_exact) == (True, False)  # who was asked about, not what
+    s = query_scores(RetrievalQuery(("brother",), SISTER_Q.keywords), SISTER_Q)
+    assert (s.exact, s.relations_exact, s.keywords_exact) == (False, False, True)
     s = query_scores(RetrievalQuery(("sister",), ("tennis", "play", "golf")), SISTER_Q)
     assert (s.precision, s.recall, s.exact) == (pytest.approx(2 / 4), 1.0, False)
     s = query_scores(RetrievalQuery((), ("sister",)), Query(("sister",), ()))  # a word counts in its own group only
     assert (s.precision, s.recall) == (0.0, 0.0)
     s = query_scores(None, SISTER_Q)
     assert (s.precision, s.recall, s.exact, s.found) == (0.0, 0.0, False, False)
+    s = query_scores(None, Query((), ("tennis",)))  # no relation to name, but a query not written names none
+    assert (s.relations_exact, s.keywords_exact) == (False, False)
     assert query_scores(None, Query()).exact  # nothing to ask, nothing asked
     truth = Query(("best friend",), ("tennis", "birthday"))
     assert query_scores(parse_query("blah " + truth.text()), truth).exact  # what the model writes, parsed
@@ -325,7 +330,8 @@ def test_evaluate_scripted_model_every_figure_known(memory):
                        "reachable": {"fact_score": 1.0, "n": 3}}
     assert_by_person_adds_up(r, by_person)
     assert r["l2"]["fact_score"] == 1.0 and r["l2"]["n"] == 1
-    assert r["l2"]["query"] == {"precision": 1.0, "recall": 0.5, "exact": 0.0, "found": 1.0, "n": 1}
+    assert r["l2"]["query"] == {"precision": 1.0, "recall": 0.5, "exact": 0.0, "found": 1.0, "n": 1,
+                                "relations_exact": 1.0, "keywords_exact": 0.0}  # the right person, half the words
     assert r["answer_quality"] == "not measured"
     assert [(t["frames"], t["reply"]) for t in r["turns"]] == [
         ([0, 10], "Hi Ada!"), ([14, 42], "You live in Oslo."), ([46, 90], "Bea plays tennis."),  # query cut out

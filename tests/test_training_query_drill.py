@@ -7,16 +7,17 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from egomem.config import MimiConfig
 from egomem.dialog.tokenizer import ByteTokenizer
 from egomem.training.corpus import fits_with, relation_questions
 from egomem.training.listen import ClipBank
-from egomem.training.query_drill import QueryRows, bank_questions, bank_voices
+from egomem.training.query_drill import QueryRows, bank_questions, bank_voices, query_scores_teacher_forced
 from egomem.training.streams import StreamSpec, silence_code
-from egomem.training.tts import TRAIN_VOICES
+from egomem.training.tts import HELDOUT_VOICES, TRAIN_VOICES
 from egomem.training.types import Query
-from egomem.training.vocab import CORE_RELATIONS
+from egomem.training.vocab import CORE_RELATIONS, pools
 from egomem.trigger.codec import build_codec
 
 TOK = ByteTokenizer()
@@ -53,6 +54,9 @@ def test_the_bank_speaks_every_core_relation_and_each_question_carries_its_query
     assert ("What is my aunt's name?", Query(("aunt",), ())) in relation_questions("aunt")
     assert len(bank_voices(24)) == 24 and len(set(bank_voices(24))) == 24
     assert len({v.name.split("+")[0] for v in bank_voices(24)}) > 1  # spread over the accents, not the first 24
+    held = {rel for rel, _ in bank_questions(10, 2, seed=1, split="heldout").values()}  # to score a model on
+    assert len(held) == 10 and held <= set(pools("heldout").relations) and not held & set(pools("train").relations)
+    assert set(bank_voices(6, "heldout")) <= set(HELDOUT_VOICES) and not set(HELDOUT_VOICES) & set(TRAIN_VOICES)
 
 
 def test_a_query_drill_asks_about_a_listed_relation_and_writes_its_query(rows):
@@ -88,3 +92,41 @@ def test_a_bank_that_lacks_the_drill_questions_is_refused(rows, codec):
     with pytest.raises(ValueError, match="does not speak 1 of the drill questions"):
         QueryRows(rows.bank, {**QUESTIONS, "Where does my uncle live?": ("uncle", Query(("uncle",), ("live",)))},
                   silence_code(codec))
+
+
+class _Scripted:
+    """A stand-in model: a real tiny model's attributes (to lay rows out), text logits all mass on given tokens."""
+
+    def __init__(self, lm, tokens):
+        self.lm, self.training = lm, False
+        self.logits = torch.nn.functional.one_hot(tokens, lm.text_card).float()[:, None]
+
+    def __getattr__(self, name):
+        return getattr(self.lm, name)
+
+    def forward_text(self, inputs):
+        return None, self.logits
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+
+def test_teacher_forced_scores_count_the_query_who_what_and_when(rows):
+    from egomem.dialog.checkpoint import build_lm
+    from egomem.training.listen import collate
+
+    lm = build_lm("tiny", seed=0, card=2048, context=512 + 256 + 200)
+    drawn = [rows.row(random.Random(s)) for s in range(3)]
+    packed = collate(lm, drawn, (512, 256))
+    assert query_scores_teacher_forced(_Scripted(lm, packed.targets), drawn, QUESTIONS, (512, 256)) == \
+        {"query": 1.0, "who": 1.0, "what": 1.0, "start": 1.0}
+    wrong = packed.targets.clone()
+    ends = [c + row.stream.shape[1] for c, row in zip(packed.offsets, drawn)]
+    lengths = [len(TOK.encode(QUESTIONS[row.spoken[0][1]][1].text())) for row in drawn]
+    wrong[0, ends[0] - lengths[0] + len("<retr>:\n")] += 1  # row 0: the relation's first byte
+    wrong[1, ends[1] - lengths[1]] += 1  # row 1: the query's first byte (when)
+    s = query_scores_teacher_forced(_Scripted(lm, wrong), drawn, QUESTIONS, (512, 256))
+    assert s == {"query": pytest.approx(1 / 3), "who": pytest.approx(2 / 3), "what": 1.0, "start": pytest.approx(2 / 3)}

@@ -274,7 +274,8 @@ def _print_row(entry: dict[str, Any], conditions: list[str]) -> None:
               f"{f(r['l1']['reference']['fact_score'])}, on its {r['l1']['reachable']['n']}: "
               f"{f(r['l1']['reachable']['fact_score'])})  L2 fact "
               f"{f(r['l2']['fact_score'])} (n={r['l2']['n']})  query P {f(q['precision'])} R {f(q['recall'])} "
-              f"EM {f(q['exact'])}  AQ {aq if isinstance(aq, str) else f(aq['mean'])}", flush=True)
+              f"EM {f(q['exact'])} (who {f(q.get('relations_exact'))}, what {f(q.get('keywords_exact'))})  "
+              f"AQ {aq if isinstance(aq, str) else f(aq['mean'])}", flush=True)
 
 
 def plot(report: dict[str, Any], path: Any) -> None:

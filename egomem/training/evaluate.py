@@ -263,7 +263,8 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
                 rec["query"] = None if query is None else {"relations": list(query.relations),
                                                            "keywords": list(query.keywords)}
                 rec["query_scores"] = {"precision": qs.precision, "recall": qs.recall, "exact": qs.exact,
-                                       "found": qs.found}
+                                       "found": qs.found, "relations_exact": qs.relations_exact,
+                                       "keywords_exact": qs.keywords_exact}
             out.append(rec)
     return out
 
@@ -295,7 +296,8 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
                               for who in ("first", "new", "same")}
     qs = [r["query_scores"] for r in records if "query_scores" in r]
     out["l2"]["query"] = {"precision": _mean([q["precision"] for q in qs]), "recall": _mean([q["recall"] for q in qs]),
-                          "exact": _mean([float(q["exact"]) for q in qs]), "found": _mean([float(q["found"]) for q in qs]),
+                          **{k: _mean([float(q[k]) for q in qs if k in q])
+                             for k in ("exact", "found", "relations_exact", "keywords_exact")},
                           "n": len(qs)}
     aq = [r["answer_quality"] for r in records if r["answer_quality"] is not None]
     out["answer_quality"] = {"mean": _mean(aq), "n": len(aq)} if aq else NOT_MEASURED

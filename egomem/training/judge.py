@@ -103,6 +103,8 @@ class QueryScore:
     recall: float
     exact: bool
     found: bool  # the model wrote a complete query at all
+    relations_exact: bool = False  # the relation group alone equal as sets (who was asked about: heard and read)
+    keywords_exact: bool = False  # the keyword group alone (what was asked: the question's kind, or its value)
 
 
 def _words(relations: Iterable[str], keywords: Iterable[str]) -> set[tuple[str, str]]:
@@ -113,13 +115,18 @@ def _words(relations: Iterable[str], keywords: Iterable[str]) -> set[tuple[str, 
 def query_scores(parsed: RetrievalQuery | None, truth: Query) -> QueryScore:
     """Precision, recall and exact match of the query words, relations and keywords as two lower-case sets
     (a word counts only in its own group). An empty side: precision of no prediction is 0 unless the truth
-    is empty too; recall of an empty truth is 1; exact means both groups equal as sets."""
+    is empty too; recall of an empty truth is 1; exact means both groups equal as sets (and each group alone:
+    `relations_exact`, `keywords_exact`, which a query not written never gets unless nothing was to be asked)."""
     pred = _words(parsed.relations, parsed.keywords) if parsed is not None else set()
     gold = _words(truth.relations, truth.keywords)
     hit = len(pred & gold)
     precision = hit / len(pred) if pred else float(not gold)
     recall = hit / len(gold) if gold else 1.0
-    return QueryScore(precision, recall, pred == gold, parsed is not None)
+
+    def group(g: str) -> bool:  # a query not written gets a group right only when nothing was to be asked
+        return (parsed is not None or not gold) and {w for w in pred if w[0] == g} == {w for w in gold if w[0] == g}
+
+    return QueryScore(precision, recall, pred == gold, parsed is not None, group("relation"), group("keyword"))
 
 
 # ---------------------------------------------------------------------------- offline rule judge

@@ -37,8 +37,8 @@ from .corpus import fits_with, greeting, make_household, relation_questions
 from .listen import HOUSEHOLD_SEED, HOUSEHOLDS, ClipBank, ListenRow, drill_stream
 from .memory_text import MemoryTexts
 from .streams import StreamSpec, silence_code
-from .tts import TRAIN_VOICES, Voice
-from .types import Edge, Household, Query
+from .tts import HELDOUT_VOICES, TRAIN_VOICES, Voice
+from .types import Edge, Household, Query, Split
 from .vocab import CORE_RELATIONS, pools
 
 RELATIONS = 160  # training relations the bank speaks (the core ones always among them)
@@ -49,10 +49,10 @@ GREETING_P, NOISED_P = 0.3, 0.5
 QUERY_GENERATOR = "query-drill"
 
 
-def bank_questions(relations: int, templates: int, seed: int) -> dict[str, tuple[str, Query]]:
-    """question -> (relation, its ground-truth query): `templates` of each of `relations` training relations
+def bank_questions(relations: int, templates: int, seed: int, split: Split = "train") -> dict[str, tuple[str, Query]]:
+    """question -> (relation, its ground-truth query): `templates` of each of `relations` relations of `split`
     (the core relations first, then a seeded draw of the others; each relation's questions a seeded draw)."""
-    pool = pools("train").relations
+    pool = pools(split).relations
     core = [r for r in pool if r in CORE_RELATIONS]
     rest = [r for r in pool if r not in CORE_RELATIONS]
     chosen = core[:relations] + random.Random(f"query-drill/{seed}").sample(rest, max(0, min(len(rest),
@@ -65,24 +65,27 @@ def bank_questions(relations: int, templates: int, seed: int) -> dict[str, tuple
     return out
 
 
-def bank_voices(n: int) -> tuple[Voice, ...]:
-    """`n` training voices spread evenly over the list (its accents and settings come in runs)."""
-    step = max(1, len(TRAIN_VOICES) // max(1, n))
-    return TRAIN_VOICES[::step][:n]
+def bank_voices(n: int, split: Split = "train") -> tuple[Voice, ...]:
+    """`n` voices of `split` spread evenly over its list (its accents and settings come in runs)."""
+    voices = TRAIN_VOICES if split == "train" else HELDOUT_VOICES
+    step = max(1, len(voices) // max(1, n))
+    return voices[::step][:n]
 
 
 class QueryRows:
     """Draws query-drill rows (module docstring) from `bank`, whose questions `questions` maps to their relation
-    and query. Every draw comes from the `random.Random` passed in."""
+    and query, about the main users of `split`'s households (held out: held-out people, to score a model on).
+    Every draw comes from the `random.Random` passed in."""
 
     def __init__(self, bank: ClipBank, questions: dict[str, tuple[str, Query]], silence: np.ndarray,
                  greeting_p: float = GREETING_P, noised_p: float = NOISED_P, l1_bytes: int = 512,
-                 spec: StreamSpec | None = None):
+                 spec: StreamSpec | None = None, split: Split = "train"):
         missing = [q for q in questions if (q, bank.voices[0]) not in bank.clean]
         if missing:
             raise ValueError(f"the clip bank does not speak {len(missing)} of the drill questions "
                              f"(e.g. {missing[0]!r}): build it with the same questions")
         self.bank, self.questions, self.silence = bank, questions, np.asarray(silence, np.int64)
+        self.split = split
         self.asked = sorted(questions)
         self.greeting_p, self.noised_p = greeting_p, noised_p
         self.spec = spec or StreamSpec()
@@ -97,7 +100,7 @@ class QueryRows:
         """A training household with edge j set to `relation`, no other relation overlapping it."""
         while True:
             i = r.randrange(HOUSEHOLDS)
-            h = make_household("train", HOUSEHOLD_SEED, i)
+            h = make_household(self.split, HOUSEHOLD_SEED, i)
             j = r.randrange(len(h.edges))
             if fits_with(relation, [e.relation for k, e in enumerate(h.edges) if k != j]):
                 edges = tuple(Edge(e.other, relation) if k == j else e for k, e in enumerate(h.edges))
@@ -147,3 +150,37 @@ def finetune_query_rows(codec: torch.nn.Module, seed: int, l1_bytes: int, cache:
     bank = ClipBank(codec, bank_voices(voices), sorted(questions), seed, progress, cache, copies=NOISED_COPIES)
     return QueryRows(bank, questions, silence_code(codec), l1_bytes=l1_bytes)
 
+
+
+@torch.no_grad()
+def query_scores_teacher_forced(lm: torch.nn.Module, rows: list[ListenRow], questions: dict[str, tuple[str, Query]],
+                                layout: tuple[int, int], batch: int = 8) -> dict[str, float]:
+    """Teacher-forced greedy scores of query-drill rows in the serving `layout` (n1, n2): the share of rows whose
+    query the model writes right byte for byte (`query`), its relation words (`who`: heard, then copied from the
+    `people:` line) and its keywords (`what`: the question's kind heard); `start`: the query's first byte at its
+    tick (when to ask)."""
+    from .listen import collate, text_logits
+
+    tok = ByteTokenizer()
+    hits: dict[str, list[bool]] = {"query": [], "who": [], "what": [], "start": []}
+    was_training = lm.training
+    lm.eval()
+    for g in range(0, len(rows), batch):
+        part = rows[g:g + batch]
+        packed = collate(lm, part, layout)
+        right = (text_logits(lm, packed).argmax(-1) == packed.targets).numpy()
+        for i, (c, row) in enumerate(zip(packed.offsets, part, strict=True)):
+            (_, question), = row.spoken
+            relation, query = questions[question]
+            text = query.text()
+            T = row.stream.shape[1]
+            q0 = c + T - len(tok.encode(text))  # the query is the row's last bytes
+            r0 = q0 + len(tok.encode("<retr>:\n"))
+            r1 = r0 + len(tok.encode(", ".join(query.relations)))
+            k1 = r1 + 1 + len(tok.encode(", ".join(query.keywords)))
+            hits["query"].append(bool(right[i, q0:c + T].all()))
+            hits["who"].append(bool(right[i, r0:r1].all()))
+            hits["what"].append(bool(right[i, r1:k1].all()))
+            hits["start"].append(bool(right[i, q0]))
+    lm.train(was_training)
+    return {k: float(np.mean(v)) for k, v in hits.items()}

@@ -1,0 +1,94 @@
+"""Does a model hear which relation a query drill asks about, on the drills it trained on and on held-out ones?
+
+Teacher-forced greedy scores (`query_drill.query_scores_teacher_forced`: the whole query, its relation words =
+who, its keywords = what, its first byte = when) of query-drill rows in the serving layout (L1 512, L2 256),
+clean and noised apart: training rows (training households, the run's own bank: relations and voices it
+trained on) and held-out rows (held-out households, held-out relations in held-out voices, a bank built here:
+`--held-relations` x 2 questions x `--held-voices`, cached beside the output). A model that learnt the
+training drills but scores chance on the held-out ones memorised clips; one that scores low on both is
+undertrained. Every model is scored on the same rows:
+
+    python bench/diag_query_drills.py runs/s47/l2q/run/lm.safetensors runs/s47/l2q2/run/lm.safetensors \
+        --bank runs/s47/l2q/run/query_clips_train.npz --seed 3
+
+Writes `bench/results/diag_query_drills.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from egomem.config import MimiConfig  # noqa: E402
+from egomem.dialog.checkpoint import build_lm  # noqa: E402
+from egomem.training.listen import ClipBank  # noqa: E402
+from egomem.training.query_drill import (  # noqa: E402
+    NOISED_COPIES,
+    RELATIONS,
+    TEMPLATES,
+    VOICES,
+    QueryRows,
+    bank_questions,
+    bank_voices,
+    query_scores_teacher_forced,
+)
+from egomem.training.streams import silence_code  # noqa: E402
+from egomem.trigger.codec import build_codec  # noqa: E402
+
+LAYOUT = (512, 256)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("weights", nargs="+", type=Path)
+    p.add_argument("--bank", type=Path, required=True, help="the training run's query_clips_train.npz")
+    p.add_argument("--seed", type=int, default=0, help="the training run's seed (its bank's questions)")
+    p.add_argument("--rows", type=int, default=96, help="rows per split and condition")
+    p.add_argument("--held-relations", type=int, default=40)
+    p.add_argument("--held-voices", type=int, default=6)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "diag_query_drills.json")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    codec = build_codec(MimiConfig())
+    silence = silence_code(codec)
+    sources = {}
+    train_q = bank_questions(RELATIONS, TEMPLATES, a.seed)
+    bank = ClipBank(codec, bank_voices(VOICES), sorted(train_q), a.seed, True, a.bank, copies=NOISED_COPIES)
+    sources["train"] = (QueryRows(bank, train_q, silence), train_q)
+    held_q = bank_questions(a.held_relations, 2, 1, split="heldout")
+    held_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(held_q), 1, True,
+                         a.out.with_name("diag_query_drills_heldout_clips.npz"), copies=NOISED_COPIES)
+    sources["heldout"] = (QueryRows(held_bank, held_q, silence, split="heldout"), held_q)
+    rows = {}
+    for split, (src, _) in sources.items():
+        for cond, noised_p in (("clean", 0.0), ("noised", 1.0)):
+            src.noised_p = noised_p
+            r = random.Random(f"diag-query-drills/{split}/{cond}")
+            rows[(split, cond)] = [src.row(r) for _ in range(a.rows)]
+    report = {"rows": a.rows, "layout": LAYOUT, "models": []}
+    for w in a.weights:
+        lm = build_lm("tiny", weights=str(w))
+        entry = {"weights": str(w)}
+        for (split, cond), rs in rows.items():
+            entry[f"{split}/{cond}"] = s = query_scores_teacher_forced(lm, rs, sources[split][1], LAYOUT)
+            print(f"{w}  {split:<7} {cond:<6} " + "  ".join(f"{k} {v:.3f}" for k, v in s.items()), flush=True)
+        report["models"].append(entry)
+    for src, _ in sources.values():
+        src.close()
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
