@@ -130,3 +130,39 @@ def test_teacher_forced_scores_count_the_query_who_what_and_when(rows):
     wrong[1, ends[1] - lengths[1]] += 1  # row 1: the query's first byte (when)
     s = query_scores_teacher_forced(_Scripted(lm, wrong), drawn, QUESTIONS, (512, 256))
     assert s == {"query": pytest.approx(1 / 3), "who": pytest.approx(2 / 3), "what": 1.0, "start": pytest.approx(2 / 3)}
+
+
+def test_the_query_stage_trains_from_weights_and_resumes_bit_exactly(tmp_path):
+    """`egomem train-backbone --task query`: query drills in the short layout, held-out scores on held-out
+    relations in held-out voices, bit-exact resume; it refuses to start from nothing."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from egomem.dialog.checkpoint import build_lm
+    from egomem.training.backbone import BackboneConfig, train_backbone
+
+    small = dict(dim=64, num_heads=2, num_layers=2, context=1024, depformer_dim=32, depformer_dim_feedforward=64,
+                 depformer_num_heads=2, depformer_num_layers=1)
+    start = tmp_path / "start.safetensors"
+    save_file({k: v.contiguous() for k, v in build_lm("tiny", seed=9, **small).state_dict().items()}, str(start))
+
+    def config(out, **kw):
+        base = dict(task="query", weights=start, model_overrides=small, steps=6, batch_size=2, lr=2e-3, warmup=2,
+                    voices=1, relations=2, eval_every=3, ckpt_every=3)
+        return BackboneConfig(out, **(base | kw))
+
+    whole = train_backbone(config(tmp_path / "whole"), progress=False)
+    assert whole.complete and set(whole.held) == {"held_query", "held_who", "held_what", "held_start"}
+    card = json.loads((tmp_path / "whole" / "model_card.json").read_text())
+    assert card["task"] == "query" and card["started_from"] == str(start)
+    assert {p.name for p in (tmp_path / "whole").glob("query_clips_*.npz")} == {"query_clips_train.npz",
+                                                                                "query_clips_heldout.npz"}
+    part = train_backbone(config(tmp_path / "split", stop_after=4), progress=False)
+    assert not part.complete and part.step == 4
+    done = train_backbone(config(tmp_path / "split", resume=True), progress=False)
+    a, b = load_file(str(whole.path)), load_file(str(done.path))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["text_emb.weight"], load_file(str(start))["text_emb.weight"])
+    with pytest.raises(ValueError, match="give --weights"):
+        train_backbone(config(tmp_path / "none", weights=None), progress=False)

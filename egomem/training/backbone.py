@@ -23,6 +23,9 @@ A second stage, `--task listen --weights <the copying backbone>`, trains on list
 dialogs whose questions are spoken in the training voices, the answers written from the profile in the chunk
 (egomem/training/listen.py: the answers a 30-minute fine-tune has too few of). Its held-out scores
 (`held_answer`, `held_form`, `held_form_after_start`, `held_value`, `held_greeting`) are on held-out people in held-out voices.
+A third, `--task query --weights <a model that hears>`, trains on query drills (egomem/training/query_drill.py: a
+spoken question about "my <relation>", the `<retr>` query naming that entry of the `people:` line), scored on
+held-out relations in held-out voices (`held_query`, `held_who`, `held_what`, `held_start`).
 
 Files under `out/`: `lm.safetensors` (a plain LMModel state dict: `egomem finetune --weights`, or
 `dialog.weights`), `model_card.json`, `loss.jsonl` (a record per step, the held-out scores on evaluation
@@ -54,12 +57,13 @@ from egomem.dialog.tokenizer import ByteTokenizer
 
 from .finetune import run_checkpoint
 from .listen import GREETING_P, NOISED_P, ListenTask
+from .query_drill import QueryTask
 
 STATE_FORMAT = "egomem-backbone-state-v1"
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 NAME_LINE, SEPARATORS = (":", ";"), ("\n", "=", ".")  # MemChunk-like punctuation (name: ... / people; fact=)
 HELD_SEED = 12346  # held-out rows: their own generator (a run may not use this seed for training rows)
-TASKS = ("copy", "listen")
+TASKS = ("copy", "listen", "query")
 HELD_BATCHES, HELD_ROWS = 3, 16
 RESUME_FREE = {"out", "resume", "stop_after", "ckpt_every", "eval_every", "threads"}
 
@@ -69,7 +73,8 @@ class BackboneConfig:
     """One backbone run (CLI: `egomem train-backbone`). Defaults: the run bench_finetune.py starts from."""
 
     out: Path
-    task: str = "copy"  # "copy": the reading drills above; "listen": listening drills (listen.py)
+    task: str = "copy"  # "copy": the reading drills above; "listen": listening drills (listen.py); "query":
+    # query drills (query_drill.py)
     weights: Path | None = None  # start from these weights (the listen stage: the copying backbone)
     preset: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)  # lm_kwargs overrides (tests shrink tiny)
@@ -86,6 +91,7 @@ class BackboneConfig:
     greeting_p: float = GREETING_P  # listen: a row opens with the model's greeting
     noised_p: float = NOISED_P  # listen: a row is heard through background noise
     voices: int = 0  # listen: speak in the first N training and held-out voices only (0: all; a quick run)
+    relations: int = 0  # query: the relations the drills ask about (0: query_drill.RELATIONS; a quick run)
     listen_emb: str = "codec"  # listen: the listen rows' embeddings drawn from the codec ("codec") or kept ("keep")
     head_weight: float = 4.0  # listen: loss weight of each reply's first tokens (listen.HEAD_TOKENS)
     seed: int = 0
@@ -101,9 +107,9 @@ class BackboneConfig:
                if getattr(self, k) <= 0]
         if self.task not in TASKS:
             bad.append(f"task {self.task!r} is not one of {', '.join(TASKS)}")
-        if self.task == "listen":
-            if self.voices < 0:
-                bad.append(f"voices must be >= 0 (got {self.voices})")
+        if self.task in ("listen", "query"):
+            if self.voices < 0 or self.relations < 0:
+                bad.append(f"voices and relations must be >= 0 (got {self.voices}, {self.relations})")
             if not 1 <= self.questions[0] <= self.questions[1]:
                 bad.append(f"questions {self.questions} must satisfy 1 <= MIN <= MAX")
             bad += [f"{k} must lie in [0, 1] (got {getattr(self, k)})" for k in ("greeting_p", "noised_p")
@@ -322,10 +328,17 @@ def train_backbone(cfg: BackboneConfig, progress: bool = True, mimi: MimiConfig 
 
 
 def _task(cfg: BackboneConfig, lm: LMModel, tok: ByteTokenizer, out: Path, mimi: MimiConfig | None,
-          progress: bool) -> CopyTask | ListenTask:
+          progress: bool) -> CopyTask | ListenTask | QueryTask:
     if cfg.task == "copy":
         return CopyTask(lm, cfg, tok)
     from egomem.trigger.codec import build_codec
+
+    if cfg.task == "query":
+        if cfg.weights is None:
+            raise ValueError("the query task starts from a model that hears and copies: give --weights (a listening "
+                             "backbone's or a fine-tuned model's lm.safetensors)")
+        return QueryTask(lm, build_codec(mimi or MimiConfig()), out, cfg.seed, HELD_SEED, cfg.greeting_p, cfg.noised_p,
+                         cfg.voices or None, cfg.relations or None, progress)
 
     return ListenTask(lm, build_codec(mimi or MimiConfig()), out, cfg.seed, HELD_SEED, cfg.questions, cfg.greeting_p,
                       cfg.noised_p, cfg.voices or None, cfg.listen_emb, cfg.head_weight, progress)
@@ -366,20 +379,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--span", type=int, nargs=2, default=d.span, metavar=("MIN", "MAX"),
                    help="copy: tokens a drill writes")
     p.add_argument("--task", choices=TASKS, default=d.task, help="copy: reading drills (the first stage); listen: "
-                   "spoken questions answered from the profile (the second, from --weights)")
+                   "spoken questions answered from the profile (the second, from --weights); query: spoken relation "
+                   "questions and the <retr> query they need (from --weights)")
     p.add_argument("--weights", type=Path, help="start from these Moshi safetensors (listen: the copying backbone's "
                    "lm.safetensors)")
     p.add_argument("--questions", type=int, nargs=2, default=d.questions, metavar=("MIN", "MAX"),
                    help="listen: spoken questions per row")
-    p.add_argument("--greeting-p", type=float, default=d.greeting_p, help="listen: share of rows the model opens "
+    p.add_argument("--greeting-p", type=float, default=d.greeting_p, help="listen, query: share of rows the model opens "
                    "with a greeting")
-    p.add_argument("--noised-p", type=float, default=d.noised_p, help="listen: share of rows heard through noise")
+    p.add_argument("--noised-p", type=float, default=d.noised_p, help="listen, query: share of rows heard through noise")
     p.add_argument("--listen-emb", choices=("codec", "keep"), default=d.listen_emb, help="listen: draw the user's "
                    "audio embeddings from the codec's codebooks (default) or keep the weights' own")
     p.add_argument("--head-weight", type=float, default=d.head_weight, help="listen: weight of each reply's first "
                    "10 tokens in the loss, where the question heard decides the words (1: no extra weight)")
     p.add_argument("--voices", type=int, default=d.voices, help="listen: only the first N training and held-out "
-                   "voices (0: all 192 and 6; fewer builds the clip banks faster, for a quick run)")
+                   "voices (0: all 192 and 6; fewer builds the clip banks faster, for a quick run); query: N training "
+                   "voices spread over the 192 (0: 24)")
+    p.add_argument("--relations", type=int, default=d.relations, help="query: the relations the drills ask about "
+                   "(0: 160, the 23 core ones and a seeded draw; fewer builds the clip banks faster)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--stop-after", type=int, help="stop this invocation after N steps (continue with --resume)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

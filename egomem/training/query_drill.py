@@ -154,8 +154,9 @@ def finetune_query_rows(codec: torch.nn.Module, seed: int, l1_bytes: int, cache:
 
 @torch.no_grad()
 def query_scores_teacher_forced(lm: torch.nn.Module, rows: list[ListenRow], questions: dict[str, tuple[str, Query]],
-                                layout: tuple[int, int], batch: int = 8) -> dict[str, float]:
-    """Teacher-forced greedy scores of query-drill rows in the serving `layout` (n1, n2): the share of rows whose
+                                layout: tuple[int, int] | None, batch: int = 8) -> dict[str, float]:
+    """Teacher-forced greedy scores of query-drill rows laid out as `listen.collate` lays them out (`layout`
+    (n1, n2): as serving does; None: the bare L1 text before the dialog, the query stage's rows): the share of rows whose
     query the model writes right byte for byte (`query`), its relation words (`who`: heard, then copied from the
     `people:` line) and its keywords (`what`: the question's kind heard); `start`: the query's first byte at its
     tick (when to ask)."""
@@ -184,3 +185,54 @@ def query_scores_teacher_forced(lm: torch.nn.Module, rows: list[ListenRow], ques
             hits["start"].append(bool(right[i, q0]))
     lm.train(was_training)
     return {k: float(np.mean(v)) for k, v in hits.items()}
+
+
+HELD_RELATIONS, HELD_VOICES, HELD_ROWS = 40, 6, 48  # the query stage's held-out rows
+
+
+class QueryTask:
+    """The `query` task of `egomem train-backbone` (a stage after `listen`): query drills in the short layout
+    (`listen.collate` without a layout: the bare L1 text, then the dialog; about half the serving layout's
+    cost per row), the loss `listen.loss` over the whole row (it ends with the query). Held-out rows: held-out
+    households asked about `HELD_RELATIONS` held-out relations in `HELD_VOICES` held-out voices (their own bank,
+    `held_seed`), scored by `query_scores_teacher_forced`; `voices` / `relations` (None: `VOICES`, `RELATIONS`)
+    shrink the training bank and cap the held-out one (a quick run). Banks cached in `out`
+    (`query_clips_<split>.npz`)."""
+
+    name = "query"
+
+    def __init__(self, lm: torch.nn.Module, codec: torch.nn.Module, out: Path, seed: int, held_seed: int,
+                 greeting_p: float, noised_p: float, voices: int | None = None, relations: int | None = None,
+                 progress: bool = True):
+        self.lm = lm
+        silence = silence_code(codec)
+        questions = bank_questions(relations or RELATIONS, TEMPLATES, seed)
+        bank = ClipBank(codec, bank_voices(voices or VOICES), sorted(questions), seed, progress,
+                        out / "query_clips_train.npz", copies=NOISED_COPIES)
+        self.fingerprint = {"train": bank.fingerprint}
+        self.train = QueryRows(bank, questions, silence, greeting_p, noised_p)
+        self.held_questions = bank_questions(min(HELD_RELATIONS, relations or HELD_RELATIONS), TEMPLATES, held_seed,
+                                             split="heldout")
+        held_voices = bank_voices(min(HELD_VOICES, voices or HELD_VOICES), "heldout")
+        held_bank = ClipBank(codec, held_voices, sorted(self.held_questions), held_seed,
+                             progress, out / "query_clips_heldout.npz", copies=NOISED_COPIES)
+        self.fingerprint["heldout"] = held_bank.fingerprint
+        held = QueryRows(held_bank, self.held_questions, silence, greeting_p, noised_p, split="heldout")
+        r = random.Random(held_seed)
+        self.held = [held.row(r) for _ in range(HELD_ROWS)]
+        held.close()
+
+    def prepare(self) -> None:
+        """Nothing: the listen embeddings are the weights' own (the listening stage drew them from the codec)."""
+
+    def batch_loss(self, rows: random.Random, n: int) -> torch.Tensor:
+        from .listen import collate, loss
+
+        return loss(self.lm, collate(self.lm, [self.train.row(rows) for _ in range(n)]))
+
+    def scores(self) -> dict[str, float]:
+        held = query_scores_teacher_forced(self.lm, self.held, self.held_questions, None)
+        return {f"held_{k}": v for k, v in held.items()}
+
+    def close(self) -> None:
+        self.train.close()
