@@ -510,7 +510,9 @@ def test_listen_drills_replace_rows_and_resume_bit_exactly(tmp_path, listen_rows
         finetune(_cfg(tmp_path, "bad", listen_drills=1.5), a, progress=False, listen=listen_rows)
 
 
-def test_listen_drills_refuse_a_codec_the_dataset_was_not_made_with(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("flag, bank, what", [("--listen-drills", "listen_clips_train.npz", "listening drills"),
+                                              ("--query-drills", "query_clips_train.npz", "query drills")])
+def test_drills_refuse_a_codec_the_dataset_was_not_made_with(tmp_path, capsys, monkeypatch, flag, bank, what):
     """The drills are spoken through the config's codec; a dataset encoded by another is refused by name."""
     from egomem.training.dataset import write_dataset
 
@@ -520,13 +522,13 @@ def test_listen_drills_refuse_a_codec_the_dataset_was_not_made_with(tmp_path, ca
     write_dataset(tmp_path / "ds", manifest, [], [], mem.streams, mem.samples)
     p = argparse.ArgumentParser()
     add_finetune_args(p)
-    args = p.parse_args(["--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--listen-drills", "0.5",
+    args = p.parse_args(["--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"), flag, "0.5",
                          "--no-progress"])
     args.config = None
     assert run_finetune(args) == 2
     err = capsys.readouterr().err
-    assert "encoded by codec test" in err and "[mimi]" in err
-    assert not (tmp_path / "run" / "listen_clips_train.npz").exists()  # refused before any clip was spoken
+    assert "encoded by codec test" in err and "[mimi]" in err and f"the {what} would be" in err
+    assert not (tmp_path / "run" / bank).exists()  # refused before any clip was spoken
 
 
 # ---------------------------------------------------------------- query drills (--query-drills)
@@ -571,24 +573,6 @@ def test_query_drills_replace_rows_keep_listening_drills_and_resume_bit_exactly(
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     with pytest.raises(ValueError, match=r"query_drills must be in \[0, 1\]"):
         finetune(_cfg(tmp_path, "bad", query_drills=-0.1), a, progress=False, query=query_rows)
-
-
-def test_query_drills_refuse_a_codec_the_dataset_was_not_made_with(tmp_path, capsys, monkeypatch):
-    from egomem.training.dataset import write_dataset
-
-    monkeypatch.delenv("EGOMEM_CONFIG", raising=False)
-    mem = _data()  # its manifest says codec "test"
-    manifest = {k: mem.manifest[k] for k in ("n1", "n2", "tokenizer", "codec", "seed")}
-    write_dataset(tmp_path / "ds", manifest, [], [], mem.streams, mem.samples)
-    p = argparse.ArgumentParser()
-    add_finetune_args(p)
-    args = p.parse_args(["--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"), "--query-drills", "0.5",
-                         "--no-progress"])
-    args.config = None
-    assert run_finetune(args) == 2
-    err = capsys.readouterr().err
-    assert "encoded by codec test" in err and "query drills" in err
-    assert not (tmp_path / "run" / "query_clips_train.npz").exists()
 
 
 def test_speak_dropout_silences_the_speak_rows_and_their_loss(tmp_path):
