@@ -1,7 +1,8 @@
 """Does a model hear which relation a query drill asks about, on the drills it trained on and on held-out ones?
 
 Teacher-forced greedy scores (`query_drill.query_scores_teacher_forced`: the whole query, its relation words =
-who, its keywords = what, its first byte = when) of query-drill rows in the serving layout (L1 512, L2 256),
+who, its keywords = what, its first byte = when) of query-drill rows in the serving layout (L1 512, L2 256;
+`--layout short`: the bare L1 text, as `train-backbone --task query` trains),
 clean and noised apart: training rows (training households, the run's own bank: relations and voices it
 trained on) and held-out rows (held-out households, held-out relations in held-out voices, a bank built here:
 `--held-relations` x 2 questions x `--held-voices`, cached beside the output). A model that learnt the
@@ -54,6 +55,8 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=96, help="rows per split and condition")
     p.add_argument("--held-relations", type=int, default=40)
     p.add_argument("--held-voices", type=int, default=6)
+    p.add_argument("--layout", choices=("serving", "short"), default="serving", help="serving: L1 512 + L2 256 "
+                   "before the dialog (a fine-tuned model); short: the bare L1 text (a train-backbone --task query model)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "diag_query_drills.json")
     a = p.parse_args()
@@ -74,12 +77,13 @@ def main() -> int:
             src.noised_p = noised_p
             r = random.Random(f"diag-query-drills/{split}/{cond}")
             rows[(split, cond)] = [src.row(r) for _ in range(a.rows)]
-    report = {"rows": a.rows, "layout": LAYOUT, "models": []}
+    layout = LAYOUT if a.layout == "serving" else None
+    report = {"rows": a.rows, "layout": a.layout, "models": []}
     for w in a.weights:
         lm = build_lm("tiny", weights=str(w))
         entry = {"weights": str(w)}
         for (split, cond), rs in rows.items():
-            entry[f"{split}/{cond}"] = s = query_scores_teacher_forced(lm, rs, sources[split][1], LAYOUT)
+            entry[f"{split}/{cond}"] = s = query_scores_teacher_forced(lm, rs, sources[split][1], layout)
             print(f"{w}  {split:<7} {cond:<6} " + "  ".join(f"{k} {v:.3f}" for k, v in s.items()), flush=True)
         report["models"].append(entry)
     for src, _ in sources.values():
