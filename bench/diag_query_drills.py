@@ -5,7 +5,7 @@ who, its keywords = what, its first byte = when) of query-drill rows in the serv
 `--layout short`: the bare L1 text, as `train-backbone --task query` trains),
 clean and noised apart: training rows (training households, the run's own bank: relations and voices it
 trained on) and held-out rows (held-out households, held-out relations in held-out voices, a bank built here:
-`--held-relations` x 2 questions x `--held-voices`, cached beside the output). A model that learnt the
+`--held-relations` x 2 questions x `--held-voices`, cached at `--held-bank`). A model that learnt the
 training drills but scores chance on the held-out ones memorised clips; one that scores low on both is
 undertrained. Every model is scored on the same rows:
 
@@ -55,6 +55,8 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=96, help="rows per split and condition")
     p.add_argument("--held-relations", type=int, default=40)
     p.add_argument("--held-voices", type=int, default=6)
+    p.add_argument("--held-bank", type=Path, default=REPO / "runs" / "diag_query_drills_heldout_clips.npz",
+                   help="the held-out clip bank's cache (built when absent)")
     p.add_argument("--layout", choices=("serving", "short"), default="serving", help="serving: L1 512 + L2 256 "
                    "before the dialog (a fine-tuned model); short: the bare L1 text (a train-backbone --task query model)")
     p.add_argument("--threads", type=int, default=1)
@@ -69,7 +71,7 @@ def main() -> int:
     sources["train"] = (QueryRows(bank, train_q, silence), train_q)
     held_q = bank_questions(a.held_relations, 2, 1, split="heldout")
     held_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(held_q), 1, True,
-                         a.out.with_name("diag_query_drills_heldout_clips.npz"), copies=NOISED_COPIES)
+                         a.held_bank, copies=NOISED_COPIES)
     sources["heldout"] = (QueryRows(held_bank, held_q, silence, split="heldout"), held_q)
     rows = {}
     for split, (src, _) in sources.items():
