@@ -6,9 +6,9 @@ stage"): a corpus of 400 households holds about 1,600 Level-2 turns, too few to 
 relations was *heard*. A query drill is one such turn, cheap, drawn afresh every time:
 
 - a row is a training household's main user, one of whose relations is set to a relation of the drill bank
-  (the others kept; it must fit with them as `corpus.fits_with` says: the ground-truth query stays unambiguous), rendered by the real
-  memory store into the Level-1 MemChunk as serving renders it (`MemoryTexts`: the `people:` line lists the
-  relations), an empty Level-2 chunk;
+  (the others kept; it must fit with them, `corpus.fits_with`, so the ground-truth query stays unambiguous),
+  rendered by the real memory store into the Level-1 MemChunk as serving renders it (`MemoryTexts`: the
+  `people:` line lists the relations), an empty Level-2 chunk;
 - the dialog: with probability `greeting_p` the model's greeting, then one question about that relation
   (`corpus.relation_questions`: its name, "tell me about", or a fact kind whose keywords the query carries),
   spoken in a training voice (half the rows through background noise), then, after `StreamSpec.query_gap`,
@@ -19,7 +19,9 @@ relations was *heard*. A query drill is one such turn, cheap, drawn afresh every
 The questions are spoken once per (question, voice) into a `listen.ClipBank` (cached in the run folder):
 `relations` training relations (the 23 core ones and a seeded draw of the rest) x `templates` questions each
 (a seeded draw) x `voices` training voices spread over the 192, clean and `NOISED_COPIES` noised.
-`egomem finetune --query-drills P` mixes them in like `--listen-drills`.
+`egomem finetune --query-drills P` mixes them in like `--listen-drills`; `egomem train-backbone --task query`
+trains on them alone in the short layout (`QueryTask`). What the tiny model learnt from them (session 47: the
+question's kind, not yet which relation was said): docs/training.md, "What the tiny model reached".
 """
 
 from __future__ import annotations
