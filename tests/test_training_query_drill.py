@@ -134,7 +134,7 @@ def test_teacher_forced_scores_count_the_query_who_what_and_when(rows):
 
 def test_the_query_stage_trains_from_weights_and_resumes_bit_exactly(tmp_path):
     """`egomem train-backbone --task query`: query drills in the short layout, held-out scores on held-out
-    relations in held-out voices, bit-exact resume; it refuses to start from nothing."""
+    relations in held-out voices, bit-exact resume, `head_weight` applied; it refuses to start from nothing."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -164,5 +164,7 @@ def test_the_query_stage_trains_from_weights_and_resumes_bit_exactly(tmp_path):
     a, b = load_file(str(whole.path)), load_file(str(done.path))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["text_emb.weight"], load_file(str(start))["text_emb.weight"])
+    plain = load_file(str(train_backbone(config(tmp_path / "plain", head_weight=1.0), progress=False).path))
+    assert any(not torch.equal(a[k], plain[k]) for k in a)  # the query's first bytes weigh head_weight (4) times
     with pytest.raises(ValueError, match="give --weights"):
         train_backbone(config(tmp_path / "none", weights=None), progress=False)

@@ -93,7 +93,7 @@ class BackboneConfig:
     voices: int = 0  # listen: speak in the first N training and held-out voices only (0: all; a quick run)
     relations: int = 0  # query: the relations the drills ask about (0: query_drill.RELATIONS; a quick run)
     listen_emb: str = "codec"  # listen: the listen rows' embeddings drawn from the codec ("codec") or kept ("keep")
-    head_weight: float = 4.0  # listen: loss weight of each reply's first tokens (listen.HEAD_TOKENS)
+    head_weight: float = 4.0  # listen, query: loss weight of each reply's (query's) first tokens (listen.HEAD_TOKENS)
     seed: int = 0
     eval_every: int = 100
     ckpt_every: int = 100
@@ -338,7 +338,7 @@ def _task(cfg: BackboneConfig, lm: LMModel, tok: ByteTokenizer, out: Path, mimi:
             raise ValueError("the query task starts from a model that hears and copies: give --weights (a listening "
                              "backbone's or a fine-tuned model's lm.safetensors)")
         return QueryTask(lm, build_codec(mimi or MimiConfig()), out, cfg.seed, HELD_SEED, cfg.greeting_p, cfg.noised_p,
-                         cfg.voices or None, cfg.relations or None, progress)
+                         cfg.voices or None, cfg.relations or None, cfg.head_weight, progress)
 
     return ListenTask(lm, build_codec(mimi or MimiConfig()), out, cfg.seed, HELD_SEED, cfg.questions, cfg.greeting_p,
                       cfg.noised_p, cfg.voices or None, cfg.listen_emb, cfg.head_weight, progress)
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noised-p", type=float, default=d.noised_p, help="listen, query: share of rows heard through noise")
     p.add_argument("--listen-emb", choices=("codec", "keep"), default=d.listen_emb, help="listen: draw the user's "
                    "audio embeddings from the codec's codebooks (default) or keep the weights' own")
-    p.add_argument("--head-weight", type=float, default=d.head_weight, help="listen: weight of each reply's first "
+    p.add_argument("--head-weight", type=float, default=d.head_weight, help="listen, query: weight of each reply's (query's) first "
                    "10 tokens in the loss, where the question heard decides the words (1: no extra weight)")
     p.add_argument("--voices", type=int, default=d.voices, help="listen: only the first N training and held-out "
                    "voices (0: all 192 and 6; fewer builds the clip banks faster, for a quick run); query: N training "

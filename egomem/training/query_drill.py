@@ -195,7 +195,9 @@ HELD_RELATIONS, HELD_VOICES, HELD_ROWS = 40, 6, 48  # the query stage's held-out
 class QueryTask:
     """The `query` task of `egomem train-backbone` (a stage after `listen`): query drills in the short layout
     (`listen.collate` without a layout: the bare L1 text, then the dialog; about half the serving layout's
-    cost per row), the loss `listen.loss` over the whole row (it ends with the query). Held-out rows: held-out
+    cost per row), the loss `listen.loss` over the whole row (it ends with the query), each text run's first
+    `listen.HEAD_TOKENS` bytes weighted `head_weight` (the query's: "<retr>:\n" and the relation's first two bytes,
+    where the entry is chosen). Held-out rows: held-out
     households asked about `HELD_RELATIONS` held-out relations in `HELD_VOICES` held-out voices (their own bank,
     `held_seed`), scored by `query_scores_teacher_forced`; `voices` / `relations` (None: `VOICES`, `RELATIONS`)
     shrink the training bank and cap the held-out one (a quick run). Banks cached in `out`
@@ -205,8 +207,8 @@ class QueryTask:
 
     def __init__(self, lm: torch.nn.Module, codec: torch.nn.Module, out: Path, seed: int, held_seed: int,
                  greeting_p: float, noised_p: float, voices: int | None = None, relations: int | None = None,
-                 progress: bool = True):
-        self.lm = lm
+                 head_weight: float = 1.0, progress: bool = True):
+        self.lm, self.head_weight = lm, head_weight
         silence = silence_code(codec)
         questions = bank_questions(relations or RELATIONS, TEMPLATES, seed)
         bank = ClipBank(codec, bank_voices(voices or VOICES), sorted(questions), seed, progress,
@@ -230,7 +232,7 @@ class QueryTask:
     def batch_loss(self, rows: random.Random, n: int) -> torch.Tensor:
         from .listen import collate, loss
 
-        return loss(self.lm, collate(self.lm, [self.train.row(rows) for _ in range(n)]))
+        return loss(self.lm, collate(self.lm, [self.train.row(rows) for _ in range(n)]), self.head_weight)
 
     def scores(self) -> dict[str, float]:
         held = query_scores_teacher_forced(self.lm, self.held, self.held_questions, None)
