@@ -296,7 +296,7 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
                               for who in ("first", "new", "same")}
     qs = [r["query_scores"] for r in records if "query_scores" in r]
     out["l2"]["query"] = {"precision": _mean([q["precision"] for q in qs]), "recall": _mean([q["recall"] for q in qs]),
-                          **{k: _mean([float(q[k]) for q in qs if k in q])
+                          **{k: _mean([float(q[k]) for q in qs])
                              for k in ("exact", "found", "relations_exact", "keywords_exact")},
                           "n": len(qs)}
     aq = [r["answer_quality"] for r in records if r["answer_quality"] is not None]

@@ -103,8 +103,8 @@ class QueryScore:
     recall: float
     exact: bool
     found: bool  # the model wrote a complete query at all
-    relations_exact: bool = False  # the relation group alone equal as sets (who was asked about: heard and read)
-    keywords_exact: bool = False  # the keyword group alone (what was asked: the question's kind, or its value)
+    relations_exact: bool  # the relation group alone equal as sets (who was asked about: heard and read)
+    keywords_exact: bool  # the keyword group alone (what was asked: the question's kind, or its value)
 
 
 def _words(relations: Iterable[str], keywords: Iterable[str]) -> set[tuple[str, str]]:

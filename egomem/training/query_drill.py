@@ -147,7 +147,7 @@ def finetune_query_rows(codec: torch.nn.Module, seed: int, l1_bytes: int, cache:
                         relations: int = RELATIONS, templates: int = TEMPLATES, voices: int = VOICES,
                         progress: bool = True) -> QueryRows:
     """The rows `egomem finetune --query-drills` mixes in, their bank cached at `cache` (built when absent or
-    made with other inputs: about 10 minutes on one core at the defaults)."""
+    made with other inputs: 14 minutes on one core at the defaults, beside a training run)."""
     questions = bank_questions(relations, templates, seed)
     bank = ClipBank(codec, bank_voices(voices), sorted(questions), seed, progress, cache, copies=NOISED_COPIES)
     return QueryRows(bank, questions, silence_code(codec), l1_bytes=l1_bytes)
@@ -174,7 +174,7 @@ def query_scores_teacher_forced(lm: torch.nn.Module, rows: list[ListenRow], ques
         right = (text_logits(lm, packed).argmax(-1) == packed.targets).numpy()
         for i, (c, row) in enumerate(zip(packed.offsets, part, strict=True)):
             (_, question), = row.spoken
-            relation, query = questions[question]
+            query = questions[question][1]
             text = query.text()
             T = row.stream.shape[1]
             q0 = c + T - len(tok.encode(text))  # the query is the row's last bytes
