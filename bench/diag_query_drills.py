@@ -4,13 +4,17 @@ Teacher-forced greedy scores (`query_drill.query_scores_teacher_forced`: the who
 who, its keywords = what, its first byte = when) of query-drill rows in the serving layout (L1 512, L2 256;
 `--layout short`: the bare L1 text, as `train-backbone --task query` trains),
 clean and noised apart: training rows (training households, the run's own bank: relations and voices it
-trained on) and held-out rows (held-out households, held-out relations in held-out voices, a bank built here:
-`--held-relations` x 2 questions x `--held-voices`, cached at `--held-bank`). A model that learnt the
-training drills but scores chance on the held-out ones memorised clips; one that scores low on both is
-undertrained. Every model is scored on the same rows:
+trained on), new-voice rows (held-out households asked about the run's training relations, up to
+`--held-relations` of them, in held-out voices; cached at `--voice-bank`) and held-out rows (held-out households,
+held-out relations in held-out voices, a bank built here: `--held-relations` x 2 questions x `--held-voices`,
+cached at `--held-bank`). A model that learnt the training drills but scores chance on the others memorised
+clips; one that hears new voices but not new relations knows the training relations' words only; one that
+scores low on all is undertrained. Every model is scored on the same rows:
 
     python bench/diag_query_drills.py runs/s47/l2q/run/lm.safetensors runs/s47/l2q2/run/lm.safetensors \
         --bank runs/s47/l2q/run/query_clips_train.npz --seed 3
+    python bench/diag_query_drills.py <models> --bank runs/s48/qmix/run/query_clips_train.npz --seed 3 \
+        --relations 80 --voices 48 --layout short    # a query stage's bank (--relations / --voices as it ran)
 
 Writes `bench/results/diag_query_drills.json`.
 """
@@ -52,11 +56,15 @@ def main() -> int:
     p.add_argument("weights", nargs="+", type=Path)
     p.add_argument("--bank", type=Path, required=True, help="the training run's query_clips_train.npz")
     p.add_argument("--seed", type=int, default=0, help="the training run's seed (its bank's questions)")
+    p.add_argument("--relations", type=int, default=RELATIONS, help="the training run's bank: its relations")
+    p.add_argument("--voices", type=int, default=VOICES, help="the training run's bank: its voices")
     p.add_argument("--rows", type=int, default=96, help="rows per split and condition")
     p.add_argument("--held-relations", type=int, default=40)
     p.add_argument("--held-voices", type=int, default=6)
     p.add_argument("--held-bank", type=Path, default=REPO / "runs" / "diag_query_drills_heldout_clips.npz",
                    help="the held-out clip bank's cache (built when absent)")
+    p.add_argument("--voice-bank", type=Path, default=REPO / "runs" / "diag_query_drills_voice_clips.npz",
+                   help="the new-voice clip bank's cache (built when absent or made for another training bank)")
     p.add_argument("--layout", choices=("serving", "short"), default="serving", help="serving: L1 512 + L2 256 "
                    "before the dialog (a fine-tuned model); short: the bare L1 text (a train-backbone --task query model)")
     p.add_argument("--threads", type=int, default=1)
@@ -66,9 +74,14 @@ def main() -> int:
     codec = build_codec(MimiConfig())
     silence = silence_code(codec)
     sources = {}
-    train_q = bank_questions(RELATIONS, TEMPLATES, a.seed)
-    bank = ClipBank(codec, bank_voices(VOICES), sorted(train_q), a.seed, True, a.bank, copies=NOISED_COPIES)
+    train_q = bank_questions(a.relations, TEMPLATES, a.seed)
+    bank = ClipBank(codec, bank_voices(a.voices), sorted(train_q), a.seed, True, a.bank, copies=NOISED_COPIES)
     sources["train"] = (QueryRows(bank, train_q, silence), train_q)
+    asked = sorted({rel for rel, _ in train_q.values()})[:a.held_relations]
+    voice_q = {q: v for q, v in train_q.items() if v[0] in asked}
+    voice_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(voice_q), 1, True, a.voice_bank,
+                          copies=NOISED_COPIES)
+    sources["voices"] = (QueryRows(voice_bank, voice_q, silence, split="heldout"), voice_q)
     held_q = bank_questions(a.held_relations, 2, 1, split="heldout")
     held_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(held_q), 1, True,
                          a.held_bank, copies=NOISED_COPIES)

@@ -134,7 +134,7 @@ def test_teacher_forced_scores_count_the_query_who_what_and_when(rows):
 
 def test_the_query_stage_trains_from_weights_and_resumes_bit_exactly(tmp_path):
     """`egomem train-backbone --task query`: query drills in the short layout, held-out scores on held-out
-    relations in held-out voices, bit-exact resume, `head_weight` applied; it refuses to start from nothing."""
+    relations in held-out voices and on training relations in held-out voices, bit-exact resume, `head_weight` applied; it refuses to start from nothing."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -153,11 +153,12 @@ def test_the_query_stage_trains_from_weights_and_resumes_bit_exactly(tmp_path):
         return BackboneConfig(out, **(base | kw))
 
     whole = train_backbone(config(tmp_path / "whole"), progress=False)
-    assert whole.complete and set(whole.held) == {"held_query", "held_who", "held_what", "held_start"}
+    scores = {f"{s}_{k}" for s in ("held", "voice") for k in ("query", "who", "what", "start")}
+    assert whole.complete and set(whole.held) == scores
     card = json.loads((tmp_path / "whole" / "model_card.json").read_text())
     assert card["task"] == "query" and card["started_from"] == str(start)
-    assert {p.name for p in (tmp_path / "whole").glob("query_clips_*.npz")} == {"query_clips_train.npz",
-                                                                                "query_clips_heldout.npz"}
+    assert {p.name for p in (tmp_path / "whole").glob("query_clips_*.npz")} == {
+        "query_clips_train.npz", "query_clips_heldout.npz", "query_clips_heldout_voices.npz"}
     part = train_backbone(config(tmp_path / "split", stop_after=4), progress=False)
     assert not part.complete and part.step == 4
     done = train_backbone(config(tmp_path / "split", resume=True), progress=False)

@@ -25,7 +25,8 @@ dialogs whose questions are spoken in the training voices, the answers written f
 (`held_answer`, `held_form`, `held_form_after_start`, `held_value`, `held_greeting`) are on held-out people in held-out voices.
 A third, `--task query --weights <a model that hears>`, trains on query drills (egomem/training/query_drill.py: a
 spoken question about "my <relation>", the `<retr>` query naming that entry of the `people:` line), scored on
-held-out relations in held-out voices (`held_query`, `held_who`, `held_what`, `held_start`).
+held-out relations in held-out voices (`held_query`, `held_who`, `held_what`, `held_start`) and on training
+relations in held-out voices (`voice_query`, `voice_who`, ...).
 
 Files under `out/`: `lm.safetensors` (a plain LMModel state dict: `egomem finetune --weights`, or
 `dialog.weights`), `model_card.json`, `loss.jsonl` (a record per step, the held-out scores on evaluation

@@ -199,7 +199,8 @@ class QueryTask:
     `listen.HEAD_TOKENS` bytes weighted `head_weight` (the query's: "<retr>:\n" and the relation's first two bytes,
     where the entry is chosen). Held-out rows: held-out
     households asked about `HELD_RELATIONS` held-out relations in `HELD_VOICES` held-out voices (their own bank,
-    `held_seed`), scored by `query_scores_teacher_forced`; `voices` / `relations` (None: `VOICES`, `RELATIONS`)
+    `held_seed`), scored by `query_scores_teacher_forced` (`held_*`), and held-out households asked about training
+    relations in the held-out voices (`voice_*`: tells "does not hear new voices" from "cannot spell new relations"); `voices` / `relations` (None: `VOICES`, `RELATIONS`)
     shrink the training bank and cap the held-out one (a quick run). Banks cached in `out`
     (`query_clips_<split>.npz`)."""
 
@@ -225,6 +226,15 @@ class QueryTask:
         r = random.Random(held_seed)
         self.held = [held.row(r) for _ in range(HELD_ROWS)]
         held.close()
+        # the training relations (up to HELD_RELATIONS of them) asked in the held-out voices: new voices only
+        asked = sorted({rel for rel, _ in questions.values()})[:HELD_RELATIONS]
+        self.voice_questions = {q: v for q, v in questions.items() if v[0] in asked}
+        voice_bank = ClipBank(codec, held_voices, sorted(self.voice_questions), held_seed, progress,
+                              out / "query_clips_heldout_voices.npz", copies=NOISED_COPIES)
+        self.fingerprint["heldout_voices"] = voice_bank.fingerprint
+        held = QueryRows(voice_bank, self.voice_questions, silence, greeting_p, noised_p, split="heldout")
+        self.held_voice = [held.row(r) for _ in range(HELD_ROWS)]
+        held.close()
 
     def prepare(self) -> None:
         """Nothing: the listen embeddings are the weights' own (the listening stage drew them from the codec)."""
@@ -236,7 +246,8 @@ class QueryTask:
 
     def scores(self) -> dict[str, float]:
         held = query_scores_teacher_forced(self.lm, self.held, self.held_questions, None)
-        return {f"held_{k}": v for k, v in held.items()}
+        voice = query_scores_teacher_forced(self.lm, self.held_voice, self.voice_questions, None)
+        return {**{f"held_{k}": v for k, v in held.items()}, **{f"voice_{k}": v for k, v in voice.items()}}
 
     def close(self) -> None:
         self.train.close()
