@@ -197,12 +197,12 @@ class QueryTask:
     (`listen.collate` without a layout: the bare L1 text, then the dialog; about half the serving layout's
     cost per row), the loss `listen.loss` over the whole row (it ends with the query), each text run's first
     `listen.HEAD_TOKENS` bytes weighted `head_weight` (the query's: "<retr>:\n" and the relation's first two bytes,
-    where the entry is chosen). Held-out rows: held-out
-    households asked about `HELD_RELATIONS` held-out relations in `HELD_VOICES` held-out voices (their own bank,
-    `held_seed`), scored by `query_scores_teacher_forced` (`held_*`), and held-out households asked about training
-    relations in the held-out voices (`voice_*`: tells "does not hear new voices" from "cannot spell new relations"); `voices` / `relations` (None: `VOICES`, `RELATIONS`)
-    shrink the training bank and cap the held-out one (a quick run). Banks cached in `out`
-    (`query_clips_<split>.npz`)."""
+    where the entry is chosen). Held-out rows, scored by `query_scores_teacher_forced`: held-out households asked
+    about `HELD_RELATIONS` held-out relations in `HELD_VOICES` held-out voices (`held_*`; their own bank,
+    `held_seed`), and about up to `HELD_RELATIONS` training relations in the same voices (`voice_*`: tells "does
+    not hear new voices" from "cannot spell new relations"); `voices` / `relations` (None: `VOICES`, `RELATIONS`)
+    shrink the training bank and cap the held-out ones (a quick run). Banks cached in `out`
+    (`query_clips_train.npz`, `query_clips_heldout.npz`, `query_clips_heldout_voices.npz`)."""
 
     name = "query"
 
