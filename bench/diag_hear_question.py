@@ -30,8 +30,8 @@ model's input tell the relations apart in new voices and the model still cannot 
 what it lacks is the mapping from that input to the words, not the hearing.
 
     python bench/diag_hear_question.py --out bench/results/diag_hear_question.json   # about 10 min, one core
-    python bench/diag_hear_question.py --task relation --inputs codes,latent,egomem/data/dialog_tiny.safetensors \
-        --out bench/results/diag_hear_relation.json                                          # about 40 min, one core
+    python bench/diag_hear_question.py --task relation --inputs latent,egomem/data/dialog_tiny.safetensors,codes \
+        --updates 20000 --out bench/results/diag_hear_relation.json        # about 27 min, one core beside two jobs
 """
 
 from __future__ import annotations
