@@ -43,6 +43,7 @@ from egomem.training.query_drill import (  # noqa: E402
     QueryRows,
     bank_questions,
     bank_voices,
+    new_voice_questions,
     query_scores_teacher_forced,
 )
 from egomem.training.streams import silence_code  # noqa: E402
@@ -77,8 +78,7 @@ def main() -> int:
     train_q = bank_questions(a.relations, TEMPLATES, a.seed)
     bank = ClipBank(codec, bank_voices(a.voices), sorted(train_q), a.seed, True, a.bank, copies=NOISED_COPIES)
     sources["train"] = (QueryRows(bank, train_q, silence), train_q)
-    asked = sorted({rel for rel, _ in train_q.values()})[:a.held_relations]
-    voice_q = {q: v for q, v in train_q.items() if v[0] in asked}
+    voice_q = new_voice_questions(train_q, a.held_relations)
     voice_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(voice_q), 1, True, a.voice_bank,
                           copies=NOISED_COPIES)
     sources["voices"] = (QueryRows(voice_bank, voice_q, silence, split="heldout"), voice_q)

@@ -169,3 +169,15 @@ def test_the_query_stage_trains_from_weights_and_resumes_bit_exactly(tmp_path):
     assert any(not torch.equal(a[k], plain[k]) for k in a)  # the query's first bytes weigh head_weight (4) times
     with pytest.raises(ValueError, match="give --weights"):
         train_backbone(config(tmp_path / "none", weights=None), progress=False)
+
+
+def test_new_voice_questions_keep_every_question_of_the_first_relations():
+    """The query stage's `voice_*` rows ask the training questions of the first N training relations (sorted), all
+    of their templates, and nothing else."""
+    from egomem.training.query_drill import bank_questions, new_voice_questions
+
+    questions = bank_questions(10, 2, 3)
+    first = sorted({rel for rel, _ in questions.values()})[:4]
+    got = new_voice_questions(questions, 4)
+    assert {rel for rel, _ in got.values()} == set(first)
+    assert got == {q: v for q, v in questions.items() if v[0] in first} and len(got) == 8

@@ -192,6 +192,13 @@ def query_scores_teacher_forced(lm: torch.nn.Module, rows: list[ListenRow], ques
 HELD_RELATIONS, HELD_VOICES, HELD_ROWS = 40, 6, 48  # the query stage's held-out rows
 
 
+def new_voice_questions(questions: dict[str, tuple[str, Query]], relations: int) -> dict[str, tuple[str, Query]]:
+    """The training questions about the first `relations` of their relations (sorted): what a model is asked in
+    held-out voices to tell "does not hear new voices" from "cannot spell new relations"."""
+    asked = sorted({rel for rel, _ in questions.values()})[:relations]
+    return {q: v for q, v in questions.items() if v[0] in asked}
+
+
 class QueryTask:
     """The `query` task of `egomem train-backbone` (a stage after `listen`): query drills in the short layout
     (`listen.collate` without a layout: the bare L1 text, then the dialog; about half the serving layout's
@@ -226,9 +233,7 @@ class QueryTask:
         r = random.Random(held_seed)
         self.held = [held.row(r) for _ in range(HELD_ROWS)]
         held.close()
-        # the training relations (up to HELD_RELATIONS of them) asked in the held-out voices: new voices only
-        asked = sorted({rel for rel, _ in questions.values()})[:HELD_RELATIONS]
-        self.voice_questions = {q: v for q, v in questions.items() if v[0] in asked}
+        self.voice_questions = new_voice_questions(questions, HELD_RELATIONS)  # training relations, new voices
         voice_bank = ClipBank(codec, held_voices, sorted(self.voice_questions), held_seed, progress,
                               out / "query_clips_heldout_voices.npz", copies=NOISED_COPIES)
         self.fingerprint["heldout_voices"] = voice_bank.fingerprint
