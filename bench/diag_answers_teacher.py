@@ -35,6 +35,7 @@ from egomem.dialog.tokenizer import ByteTokenizer  # noqa: E402
 from egomem.training.batch import from_dialog_start, make_batch  # noqa: E402
 from egomem.training.dataset import Dataset  # noqa: E402
 from egomem.training.forward import forward  # noqa: E402
+from egomem.training.vocab import CORE_RELATIONS  # noqa: E402
 
 HEAD = 10  # as listen.HEAD_TOKENS: every fixed question's reply differs from the others' within them
 WINDOW = 192  # bench_finetune's --dialog-steps
@@ -86,12 +87,68 @@ def score(lm, data: Dataset, speak: np.ndarray | None = None, batch_size: int = 
     return {c: {k: {"rate": float(np.mean(v)), "n": len(v)} for k, v in sorted(h.items())} for c, h in hits.items()}
 
 
+@torch.no_grad()
+def score_queries(lm, data: Dataset, speak: np.ndarray | None = None, batch_size: int = 8) -> dict:
+    """Every Level-2 query of the held-out corpus (its `l2_query` samples), teacher-forced in the same rows:
+    `query` its bytes all right, `who` its relation words, `what` its keywords, `start` its first byte at its
+    tick; by condition, `first` / `later` (the dialog's first question or one after it: a later query follows
+    the model's own earlier query and an L2 already filled) and what was asked about: `core` (one of the 23 core
+    relations), `other` (another training relation) or `value` ("Who do I know that speaks Dutch?": no relation,
+    the value is the keyword; the query drills never ask these)."""
+    tok = ByteTokenizer()
+    dialogs = data.dialogs
+    layouts = {x.stream: x for x in data.layouts}
+    n1, n2 = int(data.manifest["n1"]), int(data.manifest["n2"])
+    samples = [s for s in data.samples if s.kind == "l2_query"]
+    hits: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    for i in range(0, len(samples), batch_size):
+        group = samples[i:i + batch_size]
+        items, starts = [], []
+        for s in group:
+            start = data.conversation_starts(s.stream)[s.dialog]
+            tokens = data.tokens(s.stream)
+            if speak is not None:
+                tokens = tokens.copy()
+                tokens[1:9] = speak[:, None]
+            items.append(from_dialog_start(s, tokens, start))
+            starts.append(start)
+        batch = make_batch(lm, tok, items, n1, n2, WINDOW)
+        with no_compile():
+            right = (forward(lm, batch.chunks, batch.stream).text_logits.argmax(-1) == batch.stream[:, 0]).numpy()
+        for j, s in enumerate(group):
+            cond = "noised" if s.meta.get("noised") else "clean"
+            off = starts[j] + batch.crop_start[j]
+            sup_end = max(sp.end for sp in s.text)  # the sample supervises up to its query's end (stream frames)
+            asked = 0
+            for u in layouts[s.stream.removesuffix("-noised")].dialogs[s.dialog].turns:
+                turn = dialogs[s.meta["corpus_dialog"]].turns[u.turn]
+                if turn.query is None or u.query_start is None:
+                    continue
+                asked += 1
+                if u.query_end != sup_end or u.query_start - off < 1:
+                    continue  # another sample's query, or cropped out of the window
+                q0, q1 = u.query_start - off, min(u.query_end - off, batch.lengths[j])
+                r0 = q0 + len(tok.encode("<retr>:\n"))
+                r1 = r0 + len(tok.encode(", ".join(turn.query.relations)))
+                k1 = r1 + 1 + len(tok.encode(", ".join(turn.query.keywords)))
+                rel = turn.query.relations
+                group = "value" if not rel else "core" if set(rel) <= CORE_RELATIONS else "other"
+                for k in ("all", "first" if asked == 1 else "later", group):
+                    hits[cond][f"{k}/query"].append(bool(right[j, q0:q1].all()))
+                    hits[cond][f"{k}/who"].append(bool(right[j, r0:r1].all()))
+                    hits[cond][f"{k}/what"].append(bool(right[j, r1:k1].all()))
+                    hits[cond][f"{k}/start"].append(bool(right[j, q0]))
+    return {c: {k: {"rate": float(np.mean(v)), "n": len(v)} for k, v in sorted(h.items())} for c, h in hits.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("weights", type=Path, nargs="+", help="fine-tuned lm.safetensors files")
     p.add_argument("--data", type=Path, required=True, help="the held-out dataset folder (make-corpus --split heldout)")
     p.add_argument("--speak", choices=("gold", "silence"), default="gold", help="the speak rows as recorded, or "
                    "the codec's silence throughout (a model whose own speech is not what it was trained on)")
+    p.add_argument("--level", type=int, choices=(1, 2), default=1, help="1: the Level-1 answers; 2: the Level-2 "
+                   "queries (who / what / start, as bench/diag_query_drills.py scores drill rows)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "diag_answers_teacher.json")
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -103,13 +160,15 @@ def main() -> int:
         from egomem.trigger.codec import build_codec
 
         speak = silence_code(build_codec(MimiConfig())).astype(np.int64)[:8]
-    out = {"data": str(args.data), "window": WINDOW, "head": HEAD, "speak": args.speak, "models": {}}
+    out = {"data": str(args.data), "window": WINDOW, "head": HEAD, "speak": args.speak, "level": args.level,
+           "models": {}}
     for w in args.weights:
-        res = score(build_lm("tiny", weights=str(w)).eval(), data, speak)
+        lm = build_lm("tiny", weights=str(w)).eval()
+        res = score(lm, data, speak) if args.level == 1 else score_queries(lm, data, speak)
         out["models"][str(w)] = res
         for c, r in res.items():
-            print(w, c, {k: f"{v['rate']:.2f} ({v['n']})" for k, v in r.items() if k.endswith("form_after_start")},
-                  flush=True)
+            print(w, c, {k: f"{v['rate']:.2f} ({v['n']})" for k, v in r.items()
+                         if args.level == 2 or k.endswith("form_after_start")}, flush=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -10,6 +10,7 @@ import pytest
 from egomem.cli import main
 from egomem.training.corpus import GENERATOR, RETURN_VISIT
 from egomem.training.dataset import Dataset
+from egomem.training.vocab import pools
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -47,6 +48,19 @@ def test_make_corpus_writes_a_heldout_level1_dataset(tmp_path, monkeypatch, caps
     assert not np.array_equal(old.tokens(stream)[9:], ds.tokens(stream)[9:])
 
 
+def test_make_corpus_heldout_people_with_training_relation_words(tmp_path, monkeypatch):
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    out = tmp_path / "known"
+    assert main(["make-corpus", "--out", str(out), "--households", "1", "--split", "heldout", "--levels", "2",
+                 "--no-noised", "--seed", "3", "--relation-words", "train"]) == 0
+    ds = Dataset(out)
+    assert ds.manifest["corpus_options"]["relation_words"] == "train"
+    assert {s.kind for s in ds.samples} == {"l2_query", "l2_response"}
+    asked = {r for d in ds.dialogs for t in d.turns if t.query for r in t.query.relations}
+    assert asked and asked <= set(pools("train").relations)
+    assert all(s.meta["split"] == "heldout" for s in ds.samples)
+
+
 def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypatch):
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
     with pytest.raises(SystemExit, match="needs an \\[llm\\] endpoint with an API key"):
@@ -61,4 +75,7 @@ def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypa
         main(["make-corpus", "--out", str(tmp_path / "c"), "--return-visit", "1.5"])
     with pytest.raises(SystemExit, match="--dialogs-per-stream takes min,max"):
         main(["make-corpus", "--out", str(tmp_path / "c"), "--dialogs-per-stream", "two"])
-    assert not any((tmp_path / x).exists() for x in "abc")
+    monkeypatch.setenv("DEEPSEEK_API_KEY", "sk-test")  # an endpoint with a key: the LLM writes the dialogs
+    with pytest.raises(SystemExit, match="--relation-words train needs the template generator"):
+        main(["make-corpus", "--out", str(tmp_path / "d"), "--relation-words", "train"])
+    assert not any((tmp_path / x).exists() for x in "abcd")

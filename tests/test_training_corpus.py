@@ -124,6 +124,24 @@ def test_heldout_split_never_occurs_in_training(train, heldout):
     assert {d.split for d in heldout[1]} == {"heldout"} and {d.split for d in train[1]} == {"train"}
 
 
+def test_heldout_people_asked_about_training_relation_words():
+    """relation_words="train": held-out people, names and facts, the graph's relations from the training pool
+    (the eval set that tells "cannot hear or spell a new relation word" from the rest), same seed same people."""
+    ho, tr = pools("heldout"), pools("train")
+    own = make_corpus(20, "heldout", 5)[0]
+    known, dialogs = make_corpus(20, "heldout", 5, relation_words="train")
+    assert all(e.relation in tr.relations for h in known for e in h.edges)
+    assert all(e.relation in ho.relations for h in own for e in h.edges)
+    assert any(e.relation in tr.core_relations for h in known for e in h.edges)  # core words drawn as in training
+    for h in known:
+        assert h.split == "heldout"
+        assert all(p.name.split()[0] in ho.first_names and p.name.split()[1] in ho.surnames
+                   for p in (h.main, *h.related))
+    assert [h.main for h in known] == [h.main for h in own]  # the main user is drawn before the relations
+    asked = {r for d in dialogs for t in d.turns if t.query for r in t.query.relations}
+    assert asked and asked <= set(tr.relations) and {d.split for d in dialogs} == {"heldout"}
+
+
 # ---------------------------------------------------------------------------- households and dialogs
 
 

@@ -340,7 +340,8 @@ def test_evaluate_scripted_model_every_figure_known(memory):
         {"names": ["Ada"], "facts": []}, {"names": [], "facts": ["Oslo"]}, {"names": ["Bea"], "facts": ["tennis"]},
         {"names": ["Cyd"], "facts": []}, {"names": [], "facts": []}]
     l2 = [rec for rec in r["turns"] if rec["level"] == 2][0]
-    assert l2["query"] == {"relations": ["sister"], "keywords": []}
+    # written right after the question (frame 46), one byte a frame: its last byte len(QUERY) frames on
+    assert l2["query"] == {"relations": ["sister"], "keywords": [], "frames_after_question": len(QUERY)}
     # L1 at each dialog's start (stream 0: ticks 0 and 42; stream 1: tick 0), each the user's profile
     l1 = [(w[2], w[3]) for w in engine.writes if w[1] == 1]
     assert sorted(t for _, t in l1) == [0, 0, 42]

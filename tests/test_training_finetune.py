@@ -573,6 +573,9 @@ def test_query_drills_replace_rows_keep_listening_drills_and_resume_bit_exactly(
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     with pytest.raises(ValueError, match=r"query_drills must be in \[0, 1\]"):
         finetune(_cfg(tmp_path, "bad", query_drills=-0.1), a, progress=False, query=query_rows)
+    with pytest.raises(ValueError, match=r"query_relations and query_voices must be >= 1 \(got 80, 0\)"):
+        finetune(_cfg(tmp_path, "bad", query_drills=0.5, query_relations=80, query_voices=0), a, progress=False,
+                 query=query_rows)
 
 
 def test_speak_dropout_silences_the_speak_rows_and_their_loss(tmp_path):

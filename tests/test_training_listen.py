@@ -121,6 +121,26 @@ def test_the_clip_bank_is_cached_and_rebuilt_when_its_inputs_change(codec, bank,
         assert codes.shape == bank.clean[(q, v)].shape and not np.array_equal(codes, bank.clean[(q, v)])
 
 
+def test_a_killed_clip_bank_build_goes_on_from_its_saved_voices(codec, bank, tmp_path):
+    """Each voice is saved under <cache>.parts/ once built; a build finding a voice there loads it instead of
+    speaking it again, and the parts go once the whole bank is saved."""
+    path = tmp_path / "clips.npz"
+    parts = tmp_path / "clips.npz.parts"
+    v0, v1 = TRAIN_VOICES[:2]
+    q = QUESTIONS[0]
+    marked = ClipBank(codec, TRAIN_VOICES[:2], QUESTIONS, seed=3, progress=False, cache=path)
+    assert path.is_file() and not parts.exists()  # a finished build leaves no parts behind
+    marked.clean[(q, v0)] = marked.clean[(q, v0)] + 1  # what a voice built before the kill holds, marked
+    parts.mkdir()
+    marked._save(parts / f"{marked.fingerprint}-0.npz", voices=(v0,))
+    path.unlink()  # killed before the whole bank was saved
+    resumed = ClipBank(codec, TRAIN_VOICES[:2], QUESTIONS, seed=3, progress=False, cache=path)
+    assert np.array_equal(resumed.clean[(q, v0)], bank.clean[(q, v0)] + 1)  # voice 0 loaded, not spoken again
+    assert all(np.array_equal(resumed.clean[(x, v1)], bank.clean[(x, v1)]) for x in QUESTIONS)  # voice 1 built
+    assert resumed.noised.keys() == bank.noised.keys() and resumed.background.keys() == bank.background.keys()
+    assert path.is_file() and not parts.exists()
+
+
 def test_a_clip_is_encoded_as_a_one_pass_microphone_hears_it(codec, bank):
     """A question's codes are those of one pass over [silence | question | silence], not of the question alone."""
     from egomem.trigger.codec import FRAME_SAMPLES, encode

@@ -29,6 +29,10 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--households", type=int, default=200, help="households (a main user + 3-5 related people)")
     p.add_argument("--split", choices=("train", "heldout"), default="train",
                    help="which pools people, relations, facts and voices come from (held-out never meets train)")
+    p.add_argument("--relation-words", choices=("split", "train"), default="split",
+                   help="which pool the relation graph's words come from: the split's own (held-out relations never "
+                        "occur in training) or the training pool ('train' with --split heldout: new people, names, "
+                        "facts and voices asked about relation words a model was taught; template generator)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--generator", choices=("auto", "template", "llm"), default="auto",
                    help="who writes the dialogs; auto = the [llm] endpoint when its key is set, else templates")
@@ -65,8 +69,12 @@ def run_build(args: argparse.Namespace) -> int:
     if client is not None and (own != OWN_QUESTIONS or args.return_visit != RETURN_VISIT):
         raise SystemExit("--own-questions and --return-visit shape the template generator's dialogs; with an LLM "
                          "endpoint configured add --generator template, or drop them")
+    relation_words = None if args.relation_words == "split" else args.relation_words
+    if client is not None and relation_words is not None:
+        raise SystemExit("--relation-words train needs the template generator; add --generator template")
     if client is None:
-        households, dialogs = make_corpus(args.households, args.split, args.seed, own, args.return_visit)
+        households, dialogs = make_corpus(args.households, args.split, args.seed, own, args.return_visit,
+                                          relation_words)
         print(f"{len(dialogs)} dialogs from {GENERATOR}")
     else:
         households, dialogs, rejected = make_llm_corpus(args.households, args.split, args.seed, client)
@@ -81,7 +89,8 @@ def run_build(args: argparse.Namespace) -> int:
                            spec=StreamSpec(listen=args.listen),
                            tokenizer=load_tokenizer(cfg.dialog.tokenizer),
                            tokenizer_name=str(cfg.dialog.tokenizer or "byte"),
-                           corpus_options={"own_questions": list(own), "return_visit": args.return_visit}
+                           corpus_options={"own_questions": list(own), "return_visit": args.return_visit,
+                                           **({"relation_words": relation_words} if relation_words else {})}
                            if client is None else None)
     print(f"wrote {args.out}: {ds.manifest.get('counts')}")
     return 0

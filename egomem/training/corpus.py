@@ -147,9 +147,12 @@ def fits_with(relation: str, others: list[str]) -> bool:
     return len({w for x in (*others, relation) for w in words(x)} & _SPOUSES) <= 1
 
 
-def make_household(split: Split, seed: int, index: int) -> Household:
-    """Household `index` of (split, seed): its own RNG, so any one can be made without the others."""
+def make_household(split: Split, seed: int, index: int, relation_words: Split | None = None) -> Household:
+    """Household `index` of (split, seed): its own RNG, so any one can be made without the others.
+    `relation_words`: the split whose relation pool the graph's relations come from (None: `split`'s own; "train"
+    with a held-out split makes new people, names, facts and voices asked about relations a model was taught)."""
     pool = pools(split)
+    relation_pool = pools(relation_words or split)
     rng = random.Random(f"egomem-households/{split}/{seed}/{index}")
     k = rng.randint(3, 5)
     firsts = rng.sample(pool.first_names, k + 1)
@@ -157,7 +160,7 @@ def make_household(split: Split, seed: int, index: int) -> Household:
     uid = f"{split}-{seed}-{index}"
     main = _profile(rng, pool, f"{uid}-0", f"{firsts[0]} {surname}", 5, rng.randint(2, 3))
     related, edges = [], []
-    for j, rel in enumerate(_relations(rng, pool, k), start=1):
+    for j, rel in enumerate(_relations(rng, relation_pool, k), start=1):
         kin = "'" not in rel and bool(set(words(rel)) & _KIN_WORDS)
         sur = surname if kin and rng.random() < 0.7 else rng.choice(pool.surnames)
         related.append(_profile(rng, pool, f"{uid}-{j}", f"{firsts[j]} {sur}", rng.randint(3, 4), rng.randint(1, 2)))
@@ -165,11 +168,12 @@ def make_household(split: Split, seed: int, index: int) -> Household:
     return Household(main, tuple(related), tuple(edges), split)
 
 
-def make_households(n: int, split: Split, seed: int) -> list[Household]:
-    """`n` households of `split` (names, relations, facts from that split's pools only)."""
+def make_households(n: int, split: Split, seed: int, relation_words: Split | None = None) -> list[Household]:
+    """`n` households of `split` (names, relations, facts from that split's pools only; relations from
+    `relation_words`' pool when given, `make_household`)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    return [make_household(split, seed, i) for i in range(n)]
+    return [make_household(split, seed, i, relation_words) for i in range(n)]
 
 
 # ---------------------------------------------------------------------------- dialogs
@@ -289,12 +293,13 @@ def make_dialogs(household: Household, rng: random.Random, own_questions: tuple[
 
 
 def make_corpus(n: int, split: Split, seed: int, own_questions: tuple[int, int] = OWN_QUESTIONS,
-                return_visit: float = RETURN_VISIT) -> tuple[list[Household], list[Dialog]]:
+                return_visit: float = RETURN_VISIT, relation_words: Split | None = None
+                ) -> tuple[list[Household], list[Dialog]]:
     """`n` households of `split` and all their dialogs (each household's dialogs from its own RNG;
-    `return_visit` 0: the dialogs template:v1 wrote)."""
+    `return_visit` 0: the dialogs template:v1 wrote; `relation_words`: `make_household`)."""
     if not 0 <= own_questions[0] <= own_questions[1]:
         raise ValueError(f"own_questions must be 0 <= min <= max, got {own_questions}")
-    households = make_households(n, split, seed)
+    households = make_households(n, split, seed, relation_words)
     dialogs = [d for i, h in enumerate(households)
                for d in make_dialogs(h, random.Random(f"egomem-dialogs/{split}/{seed}/{i}"), own_questions,
                                      return_visit)]

@@ -258,10 +258,13 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
                                    "expected": {"names": list(turn.names), "facts": list(turn.facts)},
                                    "reference": {"reply": reference, "fact_score": ref.fact_score}}
             if turn.level == 2 and turn.query is not None:
-                query = next((q for f, q in run.queries if u.user_start <= f < b), None)
+                at, query = next(((f, q) for f, q in run.queries if u.user_start <= f < b), (None, None))
                 qs = query_scores(query, turn.query)
                 rec["query"] = None if query is None else {"relations": list(query.relations),
-                                                           "keywords": list(query.keywords)}
+                                                           "keywords": list(query.keywords),
+                                                           # frame its last byte was written, from the end of the
+                                                           # question's audio (negative: before it ended)
+                                                           "frames_after_question": at - u.user_end}
                 rec["query_scores"] = {"precision": qs.precision, "recall": qs.recall, "exact": qs.exact,
                                        "found": qs.found, "relations_exact": qs.relations_exact,
                                        "keywords_exact": qs.keywords_exact}

@@ -47,6 +47,8 @@ from .drills import DrillMix, check_tokenizer
 from .forward import forward, masked_loss
 from .listen import DRILL_GENERATOR, ListenRow, finetune_rows
 from .lora import LoraScope, apply_lora, merged_state_dict
+from .query_drill import RELATIONS as QUERY_RELATIONS
+from .query_drill import VOICES as QUERY_VOICES
 from .types import Sample, to_json
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,8 @@ class TrainConfig:
     listen_bank: Path | None = None  # the drills' clip-bank cache; None = out/listen_clips_train.npz
     query_drills: float = 0.0  # per row: replace it with a query drill (query_drill.py; byte tokenizer)
     query_bank: Path | None = None  # the query drills' clip-bank cache; None = out/query_clips_train.npz
+    query_relations: int = QUERY_RELATIONS  # training relations the query drills ask about
+    query_voices: int = QUERY_VOICES  # training voices the query drills speak in
     # per corpus row: its speak rows replaced by the codec's silence and its speak loss dropped, so what the model
     # hears and answers does not hang on its own speech being the corpus's (when served, it is the model's own)
     speak_dropout: float = 0.0
@@ -186,6 +190,8 @@ def _check_config(cfg: TrainConfig) -> None:
                                                                        "speak_dropout") if not 0 <= getattr(cfg, k) <= 1]
     if not 1 <= cfg.listen_questions[0] <= cfg.listen_questions[1]:
         bad.append(f"listen_questions must satisfy 1 <= MIN <= MAX (got {cfg.listen_questions})")
+    if cfg.query_relations < 1 or cfg.query_voices < 1:
+        bad.append(f"query_relations and query_voices must be >= 1 (got {cfg.query_relations}, {cfg.query_voices})")
     if cfg.listen_voices < 0:
         bad.append(f"listen_voices must be >= 0 (got {cfg.listen_voices})")
     if bad:
@@ -303,7 +309,7 @@ def query_source(cfg: TrainConfig, manifest: dict[str, Any], mimi: MimiConfig | 
     check_codec(codec, manifest.get("codec"), "query drills")
     return finetune_query_rows(codec, cfg.seed, int(manifest["n1"]),
                                Path(cfg.query_bank) if cfg.query_bank else Path(cfg.out) / "query_clips_train.npz",
-                               progress=progress)
+                               relations=cfg.query_relations, voices=cfg.query_voices, progress=progress)
 
 
 class _Trainer:
@@ -659,7 +665,12 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
                    help="share of rows replaced by query drills (a spoken question about 'my <relation>', then the "
                         "<retr> query with that entry of the profile's people: line)")
     p.add_argument("--query-bank", type=Path, help="the query drills' clip-bank cache (default: "
-                   "<out>/query_clips_train.npz)")
+                   "<out>/query_clips_train.npz; a train-backbone --task query run folder's is the same bank when "
+                   "--seed, --query-relations and --query-voices match that run's)")
+    p.add_argument("--query-relations", type=int, default=d.query_relations,
+                   help="training relations the query drills ask about (the 23 core ones first)")
+    p.add_argument("--query-voices", type=int, default=d.query_voices,
+                   help="training voices the query drills speak in")
     p.add_argument("--speak-dropout", type=float, default=d.speak_dropout,
                    help="share of corpus rows whose speak rows are the codec's silence (text loss only), so the "
                         "model hears whatever it said itself")

@@ -81,7 +81,10 @@ class ClipBank:
     one pass: `CLIP_LEAD_FRAMES` of silence (noised: of its noise) before the question, whose codes are dropped,
     and `tail` frames after it, whose codes are kept (`speech_frames` of a clip is its length without them).
     Encoded alone, a question's first codebook agrees with the one-pass encoding on 0.66 of its frames
-    (docs/departures.md D26)."""
+    (docs/departures.md D26).
+
+    With a `cache`, the bank is saved there whole, and while it is built each voice is saved under
+    `<cache>.parts/`, so a build that was killed goes on from the voices it had (a large bank takes hours)."""
 
     def __init__(self, codec: torch.nn.Module, voices: Sequence[Voice], questions: Sequence[str], seed: int,
                  progress: bool = True, cache: Path | None = None, copies: int = NOISED_COPIES):
@@ -96,11 +99,19 @@ class ClipBank:
         self.background: dict[tuple[Voice, int], np.ndarray] = {}
         if cache is not None and cache.is_file() and self._load(cache):
             return
-        self._build(codec, seed, progress)
+        parts = cache.with_name(cache.name + ".parts") if cache is not None else None
+        self._build(codec, seed, progress, parts)
         if cache is not None:
             self._save(cache)
+        if parts is not None:  # the whole bank is saved: its per-voice parts are no longer needed
+            for f in parts.glob("*.npz"):
+                f.unlink()
+            parts.rmdir()
 
-    def _build(self, codec: torch.nn.Module, seed: int, progress: bool) -> None:
+    def _build(self, codec: torch.nn.Module, seed: int, progress: bool, parts: Path | None) -> None:
+        """Every voice's clips; with `parts`, each voice is saved there once built and a voice found there (same
+        fingerprint) is loaded, not rebuilt: a killed build goes on where it stopped (a voice's clips are seeded
+        by (seed, voice index), so the bank is the same either way)."""
         from tqdm import tqdm
 
         def in_context(w: np.ndarray, noise: np.ndarray | None = None) -> np.ndarray:
@@ -114,6 +125,11 @@ class ClipBank:
         tts = TTSCache(max_items=len(self.questions))
         bar = tqdm(total=len(self.voices), desc="listen clips", unit="voice", disable=not progress)
         for vi, v in enumerate(self.voices):
+            part = parts / f"{self.fingerprint}-{vi}.npz" if parts is not None else None
+            if part is not None and part.is_file():
+                self._load(part, voices=(v,))
+                bar.update(1)
+                continue
             wavs = {q: tts(q, v) for q in self.questions}
             speech_rms = float(np.median([np.sqrt(np.mean(w ** 2)) for w in wavs.values()]))
             for q, w in wavs.items():
@@ -126,6 +142,8 @@ class ClipBank:
                 for q, w in wavs.items():
                     span = (self.lead + self.tail) * FRAME_SAMPLES + len(w)
                     self.noised[(q, v, b)] = in_context(w, colour_noise(rng, span, colour) * level)
+            if part is not None:
+                self._save(part, voices=(v,))
             bar.update(1)
         bar.close()
 
@@ -133,33 +151,35 @@ class ClipBank:
         """The frames of a clip's question, without the tail encoded after it."""
         return len(clip) - self.tail
 
-    def _save(self, path: Path) -> None:
-        arrays = {f"c{i}": self.clean[(q, v)] for i, (q, v) in enumerate(self._clean_keys())}
-        arrays |= {f"n{i}": self.noised[k] for i, k in enumerate(self._noised_keys())}
-        arrays |= {f"b{i}": self.background[k] for i, k in enumerate(self._background_keys())}
+    def _save(self, path: Path, voices: Sequence[Voice] | None = None) -> None:
+        """The clips of `voices` (None: all) to `path`, under the bank's fingerprint."""
+        arrays = {f"c{i}": self.clean[(q, v)] for i, (q, v) in enumerate(self._clean_keys(voices))}
+        arrays |= {f"n{i}": self.noised[k] for i, k in enumerate(self._noised_keys(voices))}
+        arrays |= {f"b{i}": self.background[k] for i, k in enumerate(self._background_keys(voices))}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         with tmp.open("wb") as f:
             np.savez(f, fingerprint=np.array(self.fingerprint), **arrays)
         tmp.replace(path)
 
-    def _load(self, path: Path) -> bool:
+    def _load(self, path: Path, voices: Sequence[Voice] | None = None) -> bool:
+        """The clips of `voices` (None: all) from `path`; False (nothing loaded) when it holds another bank."""
         with np.load(path) as z:
             if str(z["fingerprint"]) != self.fingerprint:
                 return False  # another codec, voice list or seed: rebuilt (and the cache rewritten)
-            self.clean = {k: z[f"c{i}"] for i, k in enumerate(self._clean_keys())}
-            self.noised = {k: z[f"n{i}"] for i, k in enumerate(self._noised_keys())}
-            self.background = {k: z[f"b{i}"] for i, k in enumerate(self._background_keys())}
+            self.clean |= {k: z[f"c{i}"] for i, k in enumerate(self._clean_keys(voices))}
+            self.noised |= {k: z[f"n{i}"] for i, k in enumerate(self._noised_keys(voices))}
+            self.background |= {k: z[f"b{i}"] for i, k in enumerate(self._background_keys(voices))}
         return True
 
-    def _clean_keys(self) -> list[tuple[str, Voice]]:
-        return [(q, v) for v in self.voices for q in self.questions]
+    def _clean_keys(self, voices: Sequence[Voice] | None = None) -> list[tuple[str, Voice]]:
+        return [(q, v) for v in voices or self.voices for q in self.questions]
 
-    def _noised_keys(self) -> list[tuple[str, Voice, int]]:
-        return [(q, v, b) for v in self.voices for b in range(self.copies) for q in self.questions]
+    def _noised_keys(self, voices: Sequence[Voice] | None = None) -> list[tuple[str, Voice, int]]:
+        return [(q, v, b) for v in voices or self.voices for b in range(self.copies) for q in self.questions]
 
-    def _background_keys(self) -> list[tuple[Voice, int]]:
-        return [(v, b) for v in self.voices for b in range(self.copies)]
+    def _background_keys(self, voices: Sequence[Voice] | None = None) -> list[tuple[Voice, int]]:
+        return [(v, b) for v in voices or self.voices for b in range(self.copies)]
 
 
 @dataclass(frozen=True)
