@@ -5,7 +5,9 @@ who, its keywords = what, its first byte = when) of query-drill rows in the serv
 `--layout short`: the bare L1 text, as `train-backbone --task query` trains),
 clean and noised apart: training rows (training households, the run's own bank: relations and voices it
 trained on), new-voice rows (held-out households asked about the run's training relations, up to
-`--held-relations` of them, in held-out voices; cached at `--voice-bank`) and held-out rows (held-out households,
+`--held-relations` of them, in held-out voices; cached at `--voice-bank`), new-sentence rows (the same
+relations asked in 2 other of their 18 sentences, `query_drill.new_sentence_questions`, held-out voices;
+`--sentence-bank`: a bank of 2 sentences a relation teaches the sentences, session 49) and held-out rows (held-out households,
 held-out relations in held-out voices, a bank built here: `--held-relations` x 2 questions x `--held-voices`,
 cached at `--held-bank`). A model that learnt the training drills but scores chance on the others memorised
 clips; one that hears new voices but not new relations knows the training relations' words only; one that
@@ -43,6 +45,7 @@ from egomem.training.query_drill import (  # noqa: E402
     QueryRows,
     bank_questions,
     bank_voices,
+    new_sentence_questions,
     new_voice_questions,
     query_scores_teacher_forced,
 )
@@ -66,6 +69,8 @@ def main() -> int:
                    help="the held-out clip bank's cache (built when absent)")
     p.add_argument("--voice-bank", type=Path, default=REPO / "runs" / "diag_query_drills_voice_clips.npz",
                    help="the new-voice clip bank's cache (built when absent or made for another training bank)")
+    p.add_argument("--sentence-bank", type=Path, default=REPO / "runs" / "diag_query_drills_sentence_clips.npz",
+                   help="the new-sentence clip bank's cache (built when absent or made for another training bank)")
     p.add_argument("--layout", choices=("serving", "short"), default="serving", help="serving: L1 512 + L2 256 "
                    "before the dialog (a fine-tuned model); short: the bare L1 text (a train-backbone --task query model)")
     p.add_argument("--threads", type=int, default=1)
@@ -82,6 +87,10 @@ def main() -> int:
     voice_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(voice_q), 1, True, a.voice_bank,
                           copies=NOISED_COPIES)
     sources["voices"] = (QueryRows(voice_bank, voice_q, silence, split="heldout"), voice_q)
+    sentence_q = new_sentence_questions(train_q, a.held_relations)
+    sentence_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(sentence_q), 1, True,
+                             a.sentence_bank, copies=NOISED_COPIES)
+    sources["sentences"] = (QueryRows(sentence_bank, sentence_q, silence, split="heldout"), sentence_q)
     held_q = bank_questions(a.held_relations, 2, 1, split="heldout")
     held_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(held_q), 1, True,
                          a.held_bank, copies=NOISED_COPIES)
@@ -99,7 +108,7 @@ def main() -> int:
         entry = {"weights": str(w)}
         for (split, cond), rs in rows.items():
             entry[f"{split}/{cond}"] = s = query_scores_teacher_forced(lm, rs, sources[split][1], layout)
-            print(f"{w}  {split:<7} {cond:<6} " + "  ".join(f"{k} {v:.3f}" for k, v in s.items()), flush=True)
+            print(f"{w}  {split:<9} {cond:<6} " + "  ".join(f"{k} {v:.3f}" for k, v in s.items()), flush=True)
         report["models"].append(entry)
     for src, _ in sources.values():
         src.close()

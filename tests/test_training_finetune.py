@@ -573,8 +573,12 @@ def test_query_drills_replace_rows_keep_listening_drills_and_resume_bit_exactly(
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     with pytest.raises(ValueError, match=r"query_drills must be in \[0, 1\]"):
         finetune(_cfg(tmp_path, "bad", query_drills=-0.1), a, progress=False, query=query_rows)
-    with pytest.raises(ValueError, match=r"query_relations and query_voices must be >= 1 \(got 80, 0\)"):
+    with pytest.raises(ValueError, match=r"query_relations, query_voices and query_templates must be >= 1 "
+                                         r"\(got 80, 0, 2\)"):
         finetune(_cfg(tmp_path, "bad", query_drills=0.5, query_relations=80, query_voices=0), a, progress=False,
+                 query=query_rows)
+    with pytest.raises(ValueError, match=r"query_voices_per_question must be in \[0, query_voices\] \(got 30\)"):
+        finetune(_cfg(tmp_path, "bad", query_drills=0.5, query_voices_per_question=30), a, progress=False,
                  query=query_rows)
 
 

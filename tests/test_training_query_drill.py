@@ -134,7 +134,8 @@ def test_teacher_forced_scores_count_the_query_who_what_and_when(rows):
 
 def test_the_query_stage_trains_from_weights_and_resumes_bit_exactly(tmp_path):
     """`egomem train-backbone --task query`: query drills in the short layout, held-out scores on held-out
-    relations in held-out voices and on training relations in held-out voices, bit-exact resume, `head_weight` applied; it refuses to start from nothing."""
+    relations in held-out voices and on training relations in held-out voices (drilled sentences and others),
+    bit-exact resume, `head_weight` applied; it refuses to start from nothing."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -153,12 +154,13 @@ def test_the_query_stage_trains_from_weights_and_resumes_bit_exactly(tmp_path):
         return BackboneConfig(out, **(base | kw))
 
     whole = train_backbone(config(tmp_path / "whole"), progress=False)
-    scores = {f"{s}_{k}" for s in ("held", "voice") for k in ("query", "who", "what", "start")}
+    scores = {f"{s}_{k}" for s in ("held", "voice", "sentence") for k in ("query", "who", "what", "start")}
     assert whole.complete and set(whole.held) == scores
     card = json.loads((tmp_path / "whole" / "model_card.json").read_text())
     assert card["task"] == "query" and card["started_from"] == str(start)
     assert {p.name for p in (tmp_path / "whole").glob("query_clips_*.npz")} == {
-        "query_clips_train.npz", "query_clips_heldout.npz", "query_clips_heldout_voices.npz"}
+        "query_clips_train.npz", "query_clips_heldout.npz", "query_clips_heldout_voices.npz",
+        "query_clips_heldout_sentences.npz"}
     part = train_backbone(config(tmp_path / "split", stop_after=4), progress=False)
     assert not part.complete and part.step == 4
     done = train_backbone(config(tmp_path / "split", resume=True), progress=False)
@@ -181,3 +183,45 @@ def test_new_voice_questions_keep_every_question_of_the_first_relations():
     got = new_voice_questions(questions, 4)
     assert {rel for rel, _ in got.values()} == set(first)
     assert got == {q: v for q, v in questions.items() if v[0] in first} and len(got) == 8
+
+
+def test_new_sentence_questions_ask_the_same_relations_in_sentences_the_bank_does_not_hold():
+    """The new-sentence rows ask the first N training relations (sorted) in other sentences of
+    `corpus.relation_questions`, each with its own ground-truth query, the same on every call."""
+    from egomem.training.corpus import relation_questions
+    from egomem.training.query_drill import bank_questions, new_sentence_questions
+
+    questions = bank_questions(10, 2, 3)
+    first = sorted({rel for rel, _ in questions.values()})[:4]
+    got = new_sentence_questions(questions, 4, per_relation=3)
+    assert len(got) == 12 and {rel for rel, _ in got.values()} == set(first)
+    assert not set(got) & set(questions)  # no drilled sentence
+    for q, (rel, query) in got.items():
+        assert (q, query) in relation_questions(rel)
+    assert new_sentence_questions(questions, 4, per_relation=3) == got
+    assert new_sentence_questions(questions, 4, per_relation=3, seed=1) != got
+
+
+def test_a_bank_built_per_question_speaks_each_sentence_in_its_own_draw_of_voices(codec):
+    """per_question=k: each question in a seeded draw of k of the bank's voices (many sentences, a bank of the
+    same size), the rows asking it drawn in those voices only; its own fingerprint; k beyond the voices refused."""
+    voices = TRAIN_VOICES[:3]
+    bank = ClipBank(codec, voices, sorted(QUESTIONS), seed=0, progress=False, copies=1, per_question=1)
+    assert all(len(bank.speakers[q]) == 1 and bank.speakers[q][0] in voices for q in QUESTIONS)
+    assert set(bank.clean) == {(q, bank.speakers[q][0]) for q in QUESTIONS}
+    assert {(q, v) for q, v, _ in bank.noised} == set(bank.clean)
+    assert {v for v, _ in bank.background} == {bank.speakers[q][0] for q in QUESTIONS}  # a silent voice has none
+    again = ClipBank(codec, voices, sorted(QUESTIONS), seed=0, progress=False, copies=1, per_question=1)
+    assert again.speakers == bank.speakers  # seeded
+    full = ClipBank(codec, voices[:1], sorted(QUESTIONS), seed=0, progress=False, copies=1)
+    assert full.speakers == {q: voices[:1] for q in QUESTIONS} and full.fingerprint != bank.fingerprint
+    rows = QueryRows(bank, QUESTIONS, silence_code(codec))
+    try:
+        r = random.Random(0)
+        for _ in range(12):
+            row = rows.row(r)
+            assert row.voice == bank.speakers[row.spoken[0][1]][0]
+    finally:
+        rows.close()
+    with pytest.raises(ValueError, match=r"per_question must be in \[1, 3\]"):
+        ClipBank(codec, voices, sorted(QUESTIONS), seed=0, progress=False, copies=1, per_question=4)

@@ -93,6 +93,8 @@ class BackboneConfig:
     noised_p: float = NOISED_P  # listen: a row is heard through background noise
     voices: int = 0  # listen: speak in the first N training and held-out voices only (0: all; a quick run)
     relations: int = 0  # query: the relations the drills ask about (0: query_drill.RELATIONS; a quick run)
+    templates: int = 0  # query: sentences a relation is asked in, of its 18 (0: query_drill.TEMPLATES)
+    voices_per_question: int = 0  # query: each sentence spoken in this many of the bank's voices (0: all)
     listen_emb: str = "codec"  # listen: the listen rows' embeddings drawn from the codec ("codec") or kept ("keep")
     head_weight: float = 4.0  # listen, query: loss weight of each reply's (query's) first tokens (listen.HEAD_TOKENS)
     seed: int = 0
@@ -111,6 +113,9 @@ class BackboneConfig:
         if self.task in ("listen", "query"):
             if self.voices < 0 or self.relations < 0:
                 bad.append(f"voices and relations must be >= 0 (got {self.voices}, {self.relations})")
+            if self.templates < 0 or self.voices_per_question < 0:
+                bad.append(f"templates and voices_per_question must be >= 0 (got {self.templates}, "
+                           f"{self.voices_per_question})")
             if not 1 <= self.questions[0] <= self.questions[1]:
                 bad.append(f"questions {self.questions} must satisfy 1 <= MIN <= MAX")
             bad += [f"{k} must lie in [0, 1] (got {getattr(self, k)})" for k in ("greeting_p", "noised_p")
@@ -339,7 +344,8 @@ def _task(cfg: BackboneConfig, lm: LMModel, tok: ByteTokenizer, out: Path, mimi:
             raise ValueError("the query task starts from a model that hears and copies: give --weights (a listening "
                              "backbone's or a fine-tuned model's lm.safetensors)")
         return QueryTask(lm, build_codec(mimi or MimiConfig()), out, cfg.seed, HELD_SEED, cfg.greeting_p, cfg.noised_p,
-                         cfg.voices or None, cfg.relations or None, cfg.head_weight, progress)
+                         cfg.voices or None, cfg.relations or None, cfg.head_weight, progress,
+                         templates=cfg.templates or None, per_question=cfg.voices_per_question or None)
 
     return ListenTask(lm, build_codec(mimi or MimiConfig()), out, cfg.seed, HELD_SEED, cfg.questions, cfg.greeting_p,
                       cfg.noised_p, cfg.voices or None, cfg.listen_emb, cfg.head_weight, progress)
@@ -398,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
                    "voices spread over the 192 (0: 24)")
     p.add_argument("--relations", type=int, default=d.relations, help="query: the relations the drills ask about "
                    "(0: 160, the 23 core ones and a seeded draw; fewer builds the clip banks faster)")
+    p.add_argument("--templates", type=int, default=d.templates, help="query: sentences each relation is asked "
+                   "in, of its 18 (0: 2); the others are the held-out `sentence_*` rows")
+    p.add_argument("--voices-per-question", type=int, default=d.voices_per_question, help="query: each sentence "
+                   "spoken in a seeded draw of this many of the --voices (0: all of them): many sentences, a bank "
+                   "of the same size")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--stop-after", type=int, help="stop this invocation after N steps (continue with --resume)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -48,6 +48,7 @@ from .forward import forward, masked_loss
 from .listen import DRILL_GENERATOR, ListenRow, finetune_rows
 from .lora import LoraScope, apply_lora, merged_state_dict
 from .query_drill import RELATIONS as QUERY_RELATIONS
+from .query_drill import TEMPLATES as QUERY_TEMPLATES
 from .query_drill import VOICES as QUERY_VOICES
 from .types import Sample, to_json
 
@@ -107,6 +108,8 @@ class TrainConfig:
     query_bank: Path | None = None  # the query drills' clip-bank cache; None = out/query_clips_train.npz
     query_relations: int = QUERY_RELATIONS  # training relations the query drills ask about
     query_voices: int = QUERY_VOICES  # training voices the query drills speak in
+    query_templates: int = QUERY_TEMPLATES  # sentences each relation is asked in, of its 18
+    query_voices_per_question: int = 0  # each sentence spoken in this many of those voices (0: all)
     # per corpus row: its speak rows replaced by the codec's silence and its speak loss dropped, so what the model
     # hears and answers does not hang on its own speech being the corpus's (when served, it is the model's own)
     speak_dropout: float = 0.0
@@ -190,8 +193,11 @@ def _check_config(cfg: TrainConfig) -> None:
                                                                        "speak_dropout") if not 0 <= getattr(cfg, k) <= 1]
     if not 1 <= cfg.listen_questions[0] <= cfg.listen_questions[1]:
         bad.append(f"listen_questions must satisfy 1 <= MIN <= MAX (got {cfg.listen_questions})")
-    if cfg.query_relations < 1 or cfg.query_voices < 1:
-        bad.append(f"query_relations and query_voices must be >= 1 (got {cfg.query_relations}, {cfg.query_voices})")
+    if cfg.query_relations < 1 or cfg.query_voices < 1 or cfg.query_templates < 1:
+        bad.append(f"query_relations, query_voices and query_templates must be >= 1 (got {cfg.query_relations}, "
+                   f"{cfg.query_voices}, {cfg.query_templates})")
+    if not 0 <= cfg.query_voices_per_question <= cfg.query_voices:
+        bad.append(f"query_voices_per_question must be in [0, query_voices] (got {cfg.query_voices_per_question})")
     if cfg.listen_voices < 0:
         bad.append(f"listen_voices must be >= 0 (got {cfg.listen_voices})")
     if bad:
@@ -309,7 +315,9 @@ def query_source(cfg: TrainConfig, manifest: dict[str, Any], mimi: MimiConfig | 
     check_codec(codec, manifest.get("codec"), "query drills")
     return finetune_query_rows(codec, cfg.seed, int(manifest["n1"]),
                                Path(cfg.query_bank) if cfg.query_bank else Path(cfg.out) / "query_clips_train.npz",
-                               relations=cfg.query_relations, voices=cfg.query_voices, progress=progress)
+                               relations=cfg.query_relations, voices=cfg.query_voices,
+                               templates=cfg.query_templates, per_question=cfg.query_voices_per_question or None,
+                               progress=progress)
 
 
 class _Trainer:
@@ -666,11 +674,15 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
                         "<retr> query with that entry of the profile's people: line)")
     p.add_argument("--query-bank", type=Path, help="the query drills' clip-bank cache (default: "
                    "<out>/query_clips_train.npz; a train-backbone --task query run folder's is the same bank when "
-                   "--seed, --query-relations and --query-voices match that run's)")
+                   "--seed and the --query-* settings match that run's)")
     p.add_argument("--query-relations", type=int, default=d.query_relations,
                    help="training relations the query drills ask about (the 23 core ones first)")
     p.add_argument("--query-voices", type=int, default=d.query_voices,
                    help="training voices the query drills speak in")
+    p.add_argument("--query-templates", type=int, default=d.query_templates,
+                   help="sentences each relation is asked in, of its 18")
+    p.add_argument("--query-voices-per-question", type=int, default=d.query_voices_per_question,
+                   help="each sentence spoken in a seeded draw of this many of the --query-voices (0: all)")
     p.add_argument("--speak-dropout", type=float, default=d.speak_dropout,
                    help="share of corpus rows whose speak rows are the codec's silence (text loss only), so the "
                         "model hears whatever it said itself")

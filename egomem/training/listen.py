@@ -87,12 +87,26 @@ class ClipBank:
     `<cache>.parts/`, so a build that was killed goes on from the voices it had (a large bank takes hours)."""
 
     def __init__(self, codec: torch.nn.Module, voices: Sequence[Voice], questions: Sequence[str], seed: int,
-                 progress: bool = True, cache: Path | None = None, copies: int = NOISED_COPIES):
+                 progress: bool = True, cache: Path | None = None, copies: int = NOISED_COPIES,
+                 per_question: int | None = None):
         self.voices, self.questions, self.copies = tuple(voices), tuple(questions), copies
         self.lead, self.tail = CLIP_LEAD_FRAMES, CLIP_TAIL_FRAMES
-        key = json.dumps({"format": BANK_FORMAT, "codec": codec_fingerprint(codec), "seed": seed, "copies": copies,
-                          "lead": self.lead, "tail": self.tail,
-                          "voices": [str(v) for v in self.voices], "questions": list(self.questions)})
+        if per_question is not None and not 1 <= per_question <= len(self.voices):
+            raise ValueError(f"per_question must be in [1, {len(self.voices)}] (the bank's voices), got {per_question}")
+        # who speaks each question: every voice, or (per_question) a seeded draw of that many, so that many
+        # sentences fit a bank the size of a few sentences in every voice
+        def draw(q: str, k: int) -> tuple[Voice, ...]:
+            return tuple(self.voices[i] for i in sorted(random.Random(f"clip-bank/{seed}/{q}").sample(
+                range(len(self.voices)), k)))
+
+        self.speakers: dict[str, tuple[Voice, ...]] = {
+            q: self.voices if per_question is None else draw(q, per_question) for q in self.questions}
+        key = {"format": BANK_FORMAT, "codec": codec_fingerprint(codec), "seed": seed, "copies": copies,
+               "lead": self.lead, "tail": self.tail,
+               "voices": [str(v) for v in self.voices], "questions": list(self.questions)}
+        if per_question is not None:  # (absent otherwise: the banks built before it keep their fingerprints)
+            key["per_question"] = per_question
+        key = json.dumps(key)
         self.fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.clean: dict[tuple[str, Voice], np.ndarray] = {}
         self.noised: dict[tuple[str, Voice, int], np.ndarray] = {}
@@ -130,7 +144,10 @@ class ClipBank:
                 self._load(part, voices=(v,))
                 bar.update(1)
                 continue
-            wavs = {q: tts(q, v) for q in self.questions}
+            wavs = {q: tts(q, v) for q in self.spoken_by(v)}
+            if not wavs:
+                bar.update(1)
+                continue
             speech_rms = float(np.median([np.sqrt(np.mean(w ** 2)) for w in wavs.values()]))
             for q, w in wavs.items():
                 self.clean[(q, v)] = in_context(w)
@@ -146,6 +163,10 @@ class ClipBank:
                 self._save(part, voices=(v,))
             bar.update(1)
         bar.close()
+
+    def spoken_by(self, voice: Voice) -> tuple[str, ...]:
+        """The questions `voice` speaks (all of them unless the bank was built `per_question`)."""
+        return tuple(q for q in self.questions if voice in self.speakers[q])
 
     def speech_frames(self, clip: np.ndarray) -> int:
         """The frames of a clip's question, without the tail encoded after it."""
@@ -173,13 +194,13 @@ class ClipBank:
         return True
 
     def _clean_keys(self, voices: Sequence[Voice] | None = None) -> list[tuple[str, Voice]]:
-        return [(q, v) for v in voices or self.voices for q in self.questions]
+        return [(q, v) for v in voices or self.voices for q in self.spoken_by(v)]
 
     def _noised_keys(self, voices: Sequence[Voice] | None = None) -> list[tuple[str, Voice, int]]:
-        return [(q, v, b) for v in voices or self.voices for b in range(self.copies) for q in self.questions]
+        return [(q, v, b) for v in voices or self.voices for b in range(self.copies) for q in self.spoken_by(v)]
 
     def _background_keys(self, voices: Sequence[Voice] | None = None) -> list[tuple[Voice, int]]:
-        return [(v, b) for v in voices or self.voices for b in range(self.copies)]
+        return [(v, b) for v in voices or self.voices if self.spoken_by(v) for b in range(self.copies)]
 
 
 @dataclass(frozen=True)

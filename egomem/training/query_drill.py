@@ -82,7 +82,7 @@ class QueryRows:
     def __init__(self, bank: ClipBank, questions: dict[str, tuple[str, Query]], silence: np.ndarray,
                  greeting_p: float = GREETING_P, noised_p: float = NOISED_P, l1_bytes: int = 512,
                  spec: StreamSpec | None = None, split: Split = "train"):
-        missing = [q for q in questions if (q, bank.voices[0]) not in bank.clean]
+        missing = [q for q in questions if q not in bank.speakers or (q, bank.speakers[q][0]) not in bank.clean]
         if missing:
             raise ValueError(f"the clip bank does not speak {len(missing)} of the drill questions "
                              f"(e.g. {missing[0]!r}): build it with the same questions")
@@ -122,7 +122,7 @@ class QueryRows:
         question = r.choice(self.asked)
         relation, query = self.questions[question]
         i, j, h = self._household(r, relation)
-        voice = r.choice(self.bank.voices)
+        voice = r.choice(self.bank.speakers[question])  # every voice of the bank, unless built per_question
         copy = r.randrange(self.bank.copies) if r.random() < self.noised_p else None
         s = self.spec
         t = r.randint(*s.lead_in)
@@ -145,11 +145,12 @@ class QueryRows:
 
 def finetune_query_rows(codec: torch.nn.Module, seed: int, l1_bytes: int, cache: Path | None,
                         relations: int = RELATIONS, templates: int = TEMPLATES, voices: int = VOICES,
-                        progress: bool = True) -> QueryRows:
+                        per_question: int | None = None, progress: bool = True) -> QueryRows:
     """The rows `egomem finetune --query-drills` mixes in, their bank cached at `cache` (built when absent or
     made with other inputs: 14 minutes on one core at the defaults, beside a training run)."""
     questions = bank_questions(relations, templates, seed)
-    bank = ClipBank(codec, bank_voices(voices), sorted(questions), seed, progress, cache, copies=NOISED_COPIES)
+    bank = ClipBank(codec, bank_voices(voices), sorted(questions), seed, progress, cache, copies=NOISED_COPIES,
+                    per_question=per_question)
     return QueryRows(bank, questions, silence_code(codec), l1_bytes=l1_bytes)
 
 
@@ -199,6 +200,22 @@ def new_voice_questions(questions: dict[str, tuple[str, Query]], relations: int)
     return {q: v for q, v in questions.items() if v[0] in asked}
 
 
+def new_sentence_questions(questions: dict[str, tuple[str, Query]], relations: int, per_relation: int = TEMPLATES,
+                           seed: int = 0) -> dict[str, tuple[str, Query]]:
+    """Questions about the first `relations` of the training relations in `questions` (sorted) in sentences
+    `questions` does not hold (`per_relation` other templates of `corpus.relation_questions` each, a seeded
+    draw): what tells "hears the relation word and the question's kind" from "knows the drilled sentences" (the
+    corpus asks each relation in 18 sentences; a bank of 2 a relation taught the sentences, session 49)."""
+    asked = sorted({rel for rel, _ in questions.values()})[:relations]
+    out: dict[str, tuple[str, Query]] = {}
+    for rel in asked:
+        others = [(q, query) for q, query in relation_questions(rel) if q not in questions]
+        for q, query in random.Random(f"query-drill/new-sentences/{seed}/{rel}").sample(
+                others, min(per_relation, len(others))):
+            out[q] = (rel, query)
+    return out
+
+
 class QueryTask:
     """The `query` task of `egomem train-backbone` (a stage after `listen`): query drills in the short layout
     (`listen.collate` without a layout: the bare L1 text, then the dialog; about half the serving layout's
@@ -207,20 +224,24 @@ class QueryTask:
     where the entry is chosen). Held-out rows, scored by `query_scores_teacher_forced`: held-out households asked
     about `HELD_RELATIONS` held-out relations in `HELD_VOICES` held-out voices (`held_*`; their own bank,
     `held_seed`), and about up to `HELD_RELATIONS` training relations in the same voices (`voice_*`: tells "does
-    not hear new voices" from "cannot spell new relations"); `voices` / `relations` (None: `VOICES`, `RELATIONS`)
-    shrink the training bank and cap the held-out ones (a quick run). Banks cached in `out`
-    (`query_clips_train.npz`, `query_clips_heldout.npz`, `query_clips_heldout_voices.npz`)."""
+    not hear new voices" from "cannot spell new relations"), and about those relations in sentences the bank does
+    not speak, same voices (`sentence_*`: tells "hears the relation and the question's kind" from "knows the
+    drilled sentences"); `voices` / `relations` (None: `VOICES`, `RELATIONS`) shrink the training bank and cap the
+    held-out ones (a quick run); `templates` sentences a relation (None: `TEMPLATES`), each spoken in
+    `per_question` of the voices (None: all). Banks cached in `out` (`query_clips_train.npz`,
+    `query_clips_heldout.npz`, `query_clips_heldout_voices.npz`, `query_clips_heldout_sentences.npz`)."""
 
     name = "query"
 
     def __init__(self, lm: torch.nn.Module, codec: torch.nn.Module, out: Path, seed: int, held_seed: int,
                  greeting_p: float, noised_p: float, voices: int | None = None, relations: int | None = None,
-                 head_weight: float = 1.0, progress: bool = True):
+                 head_weight: float = 1.0, progress: bool = True, templates: int | None = None,
+                 per_question: int | None = None):
         self.lm, self.head_weight = lm, head_weight
         silence = silence_code(codec)
-        questions = bank_questions(relations or RELATIONS, TEMPLATES, seed)
+        questions = bank_questions(relations or RELATIONS, templates or TEMPLATES, seed)
         bank = ClipBank(codec, bank_voices(voices or VOICES), sorted(questions), seed, progress,
-                        out / "query_clips_train.npz", copies=NOISED_COPIES)
+                        out / "query_clips_train.npz", copies=NOISED_COPIES, per_question=per_question)
         self.fingerprint = {"train": bank.fingerprint}
         self.train = QueryRows(bank, questions, silence, greeting_p, noised_p)
         self.held_questions = bank_questions(min(HELD_RELATIONS, relations or HELD_RELATIONS), TEMPLATES, held_seed,
@@ -240,6 +261,16 @@ class QueryTask:
         held = QueryRows(voice_bank, self.voice_questions, silence, greeting_p, noised_p, split="heldout")
         self.held_voice = [held.row(r) for _ in range(HELD_ROWS)]
         held.close()
+        # training relations in sentences the bank does not speak, new voices (none when it speaks them all)
+        self.sentence_questions = new_sentence_questions(questions, HELD_RELATIONS)
+        self.held_sentence: list[ListenRow] = []
+        if self.sentence_questions:
+            sentence_bank = ClipBank(codec, held_voices, sorted(self.sentence_questions), held_seed, progress,
+                                     out / "query_clips_heldout_sentences.npz", copies=NOISED_COPIES)
+            self.fingerprint["heldout_sentences"] = sentence_bank.fingerprint
+            held = QueryRows(sentence_bank, self.sentence_questions, silence, greeting_p, noised_p, split="heldout")
+            self.held_sentence = [held.row(r) for _ in range(HELD_ROWS)]
+            held.close()
 
     def prepare(self) -> None:
         """Nothing: the listen embeddings are the weights' own (the listening stage drew them from the codec)."""
@@ -252,7 +283,11 @@ class QueryTask:
     def scores(self) -> dict[str, float]:
         held = query_scores_teacher_forced(self.lm, self.held, self.held_questions, None)
         voice = query_scores_teacher_forced(self.lm, self.held_voice, self.voice_questions, None)
-        return {**{f"held_{k}": v for k, v in held.items()}, **{f"voice_{k}": v for k, v in voice.items()}}
+        out = {**{f"held_{k}": v for k, v in held.items()}, **{f"voice_{k}": v for k, v in voice.items()}}
+        if self.held_sentence:
+            sentence = query_scores_teacher_forced(self.lm, self.held_sentence, self.sentence_questions, None)
+            out |= {f"sentence_{k}": v for k, v in sentence.items()}
+        return out
 
     def close(self) -> None:
         self.train.close()
