@@ -17,6 +17,8 @@ scores low on all is undertrained. Every model is scored on the same rows:
         --bank runs/s47/l2q/run/query_clips_train.npz --seed 3
     python bench/diag_query_drills.py <models> --bank runs/s48/qmix/run/query_clips_train.npz --seed 3 \
         --relations 80 --voices 48 --layout short    # a query stage's bank (--relations / --voices as it ran)
+    python bench/diag_query_drills.py <models> --bank runs/s49/qsent/run/query_clips_train.npz --seed 3 \
+        --relations 80 --voices 48 --templates 16 --voices-per-question 6 --layout short   # sentences: the 2 undrilled
 
 Writes `bench/results/diag_query_drills.json`.
 """
@@ -62,6 +64,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="the training run's seed (its bank's questions)")
     p.add_argument("--relations", type=int, default=RELATIONS, help="the training run's bank: its relations")
     p.add_argument("--voices", type=int, default=VOICES, help="the training run's bank: its voices")
+    p.add_argument("--templates", type=int, default=TEMPLATES, help="the training run's bank: sentences a relation")
+    p.add_argument("--voices-per-question", type=int, default=0, help="the training run's bank: voices a sentence "
+                   "(0: all)")
     p.add_argument("--rows", type=int, default=96, help="rows per split and condition")
     p.add_argument("--held-relations", type=int, default=40)
     p.add_argument("--held-voices", type=int, default=6)
@@ -80,8 +85,9 @@ def main() -> int:
     codec = build_codec(MimiConfig())
     silence = silence_code(codec)
     sources = {}
-    train_q = bank_questions(a.relations, TEMPLATES, a.seed)
-    bank = ClipBank(codec, bank_voices(a.voices), sorted(train_q), a.seed, True, a.bank, copies=NOISED_COPIES)
+    train_q = bank_questions(a.relations, a.templates, a.seed)
+    bank = ClipBank(codec, bank_voices(a.voices), sorted(train_q), a.seed, True, a.bank, copies=NOISED_COPIES,
+                    per_question=a.voices_per_question or None)
     sources["train"] = (QueryRows(bank, train_q, silence), train_q)
     voice_q = new_voice_questions(train_q, a.held_relations)
     voice_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(voice_q), 1, True, a.voice_bank,

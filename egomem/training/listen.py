@@ -83,6 +83,7 @@ class ClipBank:
     Encoded alone, a question's first codebook agrees with the one-pass encoding on 0.66 of its frames
     (docs/departures.md D26).
 
+    `per_question`: each question is spoken in a seeded draw of that many of the voices (`speakers`), not in all.
     With a `cache`, the bank is saved there whole, and while it is built each voice is saved under
     `<cache>.parts/`, so a build that was killed goes on from the voices it had (a large bank takes hours)."""
 
@@ -101,13 +102,12 @@ class ClipBank:
 
         self.speakers: dict[str, tuple[Voice, ...]] = {
             q: self.voices if per_question is None else draw(q, per_question) for q in self.questions}
-        key = {"format": BANK_FORMAT, "codec": codec_fingerprint(codec), "seed": seed, "copies": copies,
-               "lead": self.lead, "tail": self.tail,
-               "voices": [str(v) for v in self.voices], "questions": list(self.questions)}
+        inputs = {"format": BANK_FORMAT, "codec": codec_fingerprint(codec), "seed": seed, "copies": copies,
+                  "lead": self.lead, "tail": self.tail,
+                  "voices": [str(v) for v in self.voices], "questions": list(self.questions)}
         if per_question is not None:  # (absent otherwise: the banks built before it keep their fingerprints)
-            key["per_question"] = per_question
-        key = json.dumps(key)
-        self.fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
+            inputs["per_question"] = per_question
+        self.fingerprint = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
         self.clean: dict[tuple[str, Voice], np.ndarray] = {}
         self.noised: dict[tuple[str, Voice, int], np.ndarray] = {}
         self.background: dict[tuple[Voice, int], np.ndarray] = {}
