@@ -50,15 +50,13 @@ def kind(reply: str) -> str:
 
 
 @torch.no_grad()
-def score(lm, data: Dataset, speak: np.ndarray | None = None, batch_size: int = 8) -> dict:
-    """Hits by condition and answer kind; `speak` (`[8]` codes): every speak frame replaced by it (the model said
-    nothing audible), else the gold speech."""
+def teacher_forced(lm, data: Dataset, kind: str, speak: np.ndarray | None, batch_size: int = 8):
+    """Every `kind` sample of `data` laid out as `egomem finetune --context dialog` lays it out, teacher-forced:
+    yields (sample, its row's text hits `[L]` (argmax == target), the stream frame of the row's index 0, its
+    length); `speak` as `score`'s."""
     tok = ByteTokenizer()
-    dialogs = data.dialogs
-    layouts = {x.stream: x for x in data.layouts}
     n1, n2 = int(data.manifest["n1"]), int(data.manifest["n2"])
-    samples = [s for s in data.samples if s.kind == "l1_response"]
-    hits: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    samples = [s for s in data.samples if s.kind == kind]
     for i in range(0, len(samples), batch_size):
         group = samples[i:i + batch_size]
         items, starts = [], []
@@ -74,16 +72,26 @@ def score(lm, data: Dataset, speak: np.ndarray | None = None, batch_size: int = 
         with no_compile():
             right = (forward(lm, batch.chunks, batch.stream).text_logits.argmax(-1) == batch.stream[:, 0]).numpy()
         for j, s in enumerate(group):
-            cond = "noised" if s.meta.get("noised") else "clean"
-            off = starts[j] + batch.crop_start[j]  # stream frame of the row's index 0
-            for u in layouts[s.stream.removesuffix("-noised")].dialogs[s.dialog].turns:
-                turn = dialogs[s.meta["corpus_dialog"]].turns[u.turn]
-                if turn.level != 1 or not turn.user.strip() or u.reply_text_start - off < 1:
-                    continue  # not a Level-1 answer to a question, or cropped out of the window
-                a, b = u.reply_text_start - off, min(u.reply_text_end - off, batch.lengths[j])
-                for k in ("all", kind(turn.reply)):
-                    hits[cond][f"{k}/form_after_start"].append(bool(right[j, a + 1:min(a + HEAD, b)].all()))
-                    hits[cond][f"{k}/reply_after_start"].append(bool(right[j, a + 1:b].all()))
+            yield s, right[j], starts[j] + batch.crop_start[j], batch.lengths[j]
+
+
+@torch.no_grad()
+def score(lm, data: Dataset, speak: np.ndarray | None = None, batch_size: int = 8) -> dict:
+    """Hits by condition and answer kind; `speak` (`[8]` codes): every speak frame replaced by it (the model said
+    nothing audible), else the gold speech."""
+    dialogs = data.dialogs
+    layouts = {x.stream: x for x in data.layouts}
+    hits: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    for s, right, off, length in teacher_forced(lm, data, "l1_response", speak, batch_size):
+        cond = "noised" if s.meta.get("noised") else "clean"
+        for u in layouts[s.stream.removesuffix("-noised")].dialogs[s.dialog].turns:
+            turn = dialogs[s.meta["corpus_dialog"]].turns[u.turn]
+            if turn.level != 1 or not turn.user.strip() or u.reply_text_start - off < 1:
+                continue  # not a Level-1 answer to a question, or cropped out of the window
+            a, b = u.reply_text_start - off, min(u.reply_text_end - off, length)
+            for k in ("all", kind(turn.reply)):
+                hits[cond][f"{k}/form_after_start"].append(bool(right[a + 1:min(a + HEAD, b)].all()))
+                hits[cond][f"{k}/reply_after_start"].append(bool(right[a + 1:b].all()))
     return {c: {k: {"rate": float(np.mean(v)), "n": len(v)} for k, v in sorted(h.items())} for c, h in hits.items()}
 
 
@@ -98,46 +106,29 @@ def score_queries(lm, data: Dataset, speak: np.ndarray | None = None, batch_size
     tok = ByteTokenizer()
     dialogs = data.dialogs
     layouts = {x.stream: x for x in data.layouts}
-    n1, n2 = int(data.manifest["n1"]), int(data.manifest["n2"])
-    samples = [s for s in data.samples if s.kind == "l2_query"]
     hits: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
-    for i in range(0, len(samples), batch_size):
-        group = samples[i:i + batch_size]
-        items, starts = [], []
-        for s in group:
-            start = data.conversation_starts(s.stream)[s.dialog]
-            tokens = data.tokens(s.stream)
-            if speak is not None:
-                tokens = tokens.copy()
-                tokens[1:9] = speak[:, None]
-            items.append(from_dialog_start(s, tokens, start))
-            starts.append(start)
-        batch = make_batch(lm, tok, items, n1, n2, WINDOW)
-        with no_compile():
-            right = (forward(lm, batch.chunks, batch.stream).text_logits.argmax(-1) == batch.stream[:, 0]).numpy()
-        for j, s in enumerate(group):
-            cond = "noised" if s.meta.get("noised") else "clean"
-            off = starts[j] + batch.crop_start[j]
-            sup_end = max(sp.end for sp in s.text)  # the sample supervises up to its query's end (stream frames)
-            asked = 0
-            for u in layouts[s.stream.removesuffix("-noised")].dialogs[s.dialog].turns:
-                turn = dialogs[s.meta["corpus_dialog"]].turns[u.turn]
-                if turn.query is None or u.query_start is None:
-                    continue
-                asked += 1
-                if u.query_end != sup_end or u.query_start - off < 1:
-                    continue  # another sample's query, or cropped out of the window
-                q0, q1 = u.query_start - off, min(u.query_end - off, batch.lengths[j])
-                r0 = q0 + len(tok.encode("<retr>:\n"))
-                r1 = r0 + len(tok.encode(", ".join(turn.query.relations)))
-                k1 = r1 + 1 + len(tok.encode(", ".join(turn.query.keywords)))
-                rel = turn.query.relations
-                group = "value" if not rel else "core" if set(rel) <= CORE_RELATIONS else "other"
-                for k in ("all", "first" if asked == 1 else "later", group):
-                    hits[cond][f"{k}/query"].append(bool(right[j, q0:q1].all()))
-                    hits[cond][f"{k}/who"].append(bool(right[j, r0:r1].all()))
-                    hits[cond][f"{k}/what"].append(bool(right[j, r1:k1].all()))
-                    hits[cond][f"{k}/start"].append(bool(right[j, q0]))
+    for s, right, off, length in teacher_forced(lm, data, "l2_query", speak, batch_size):
+        cond = "noised" if s.meta.get("noised") else "clean"
+        sup_end = max(sp.end for sp in s.text)  # the sample supervises up to its query's end (stream frames)
+        asked = 0
+        for u in layouts[s.stream.removesuffix("-noised")].dialogs[s.dialog].turns:
+            turn = dialogs[s.meta["corpus_dialog"]].turns[u.turn]
+            if turn.query is None or u.query_start is None:
+                continue
+            asked += 1
+            if u.query_end != sup_end or u.query_start - off < 1:
+                continue  # another sample's query, or cropped out of the window
+            q0, q1 = u.query_start - off, min(u.query_end - off, length)
+            r0 = q0 + len(tok.encode("<retr>:\n"))
+            r1 = r0 + len(tok.encode(", ".join(turn.query.relations)))
+            k1 = r1 + 1 + len(tok.encode(", ".join(turn.query.keywords)))
+            rel = turn.query.relations
+            group = "value" if not rel else "core" if set(rel) <= CORE_RELATIONS else "other"
+            for k in ("all", "first" if asked == 1 else "later", group):
+                hits[cond][f"{k}/query"].append(bool(right[q0:q1].all()))
+                hits[cond][f"{k}/who"].append(bool(right[r0:r1].all()))
+                hits[cond][f"{k}/what"].append(bool(right[r1:k1].all()))
+                hits[cond][f"{k}/start"].append(bool(right[q0]))
     return {c: {k: {"rate": float(np.mean(v)), "n": len(v)} for k, v in sorted(h.items())} for c, h in hits.items()}
 
 

@@ -247,30 +247,25 @@ class QueryTask:
         self.held_questions = bank_questions(min(HELD_RELATIONS, relations or HELD_RELATIONS), TEMPLATES, held_seed,
                                              split="heldout")
         held_voices = bank_voices(min(HELD_VOICES, voices or HELD_VOICES), "heldout")
-        held_bank = ClipBank(codec, held_voices, sorted(self.held_questions), held_seed,
-                             progress, out / "query_clips_heldout.npz", copies=NOISED_COPIES)
-        self.fingerprint["heldout"] = held_bank.fingerprint
-        held = QueryRows(held_bank, self.held_questions, silence, greeting_p, noised_p, split="heldout")
         r = random.Random(held_seed)
-        self.held = [held.row(r) for _ in range(HELD_ROWS)]
-        held.close()
+
+        def held_rows(split: str, asked: dict[str, tuple[str, Query]], cache: str) -> list[ListenRow]:
+            """`HELD_ROWS` rows of held-out households asked `asked` in the held-out voices (bank cached in `out`)."""
+            bank = ClipBank(codec, held_voices, sorted(asked), held_seed, progress, out / cache, copies=NOISED_COPIES)
+            self.fingerprint[split] = bank.fingerprint
+            source = QueryRows(bank, asked, silence, greeting_p, noised_p, split="heldout")
+            try:
+                return [source.row(r) for _ in range(HELD_ROWS)]
+            finally:
+                source.close()
+
+        self.held = held_rows("heldout", self.held_questions, "query_clips_heldout.npz")
         self.voice_questions = new_voice_questions(questions, HELD_RELATIONS)  # training relations, new voices
-        voice_bank = ClipBank(codec, held_voices, sorted(self.voice_questions), held_seed, progress,
-                              out / "query_clips_heldout_voices.npz", copies=NOISED_COPIES)
-        self.fingerprint["heldout_voices"] = voice_bank.fingerprint
-        held = QueryRows(voice_bank, self.voice_questions, silence, greeting_p, noised_p, split="heldout")
-        self.held_voice = [held.row(r) for _ in range(HELD_ROWS)]
-        held.close()
+        self.held_voice = held_rows("heldout_voices", self.voice_questions, "query_clips_heldout_voices.npz")
         # training relations in sentences the bank does not speak, new voices (none when it speaks them all)
         self.sentence_questions = new_sentence_questions(questions, HELD_RELATIONS)
-        self.held_sentence: list[ListenRow] = []
-        if self.sentence_questions:
-            sentence_bank = ClipBank(codec, held_voices, sorted(self.sentence_questions), held_seed, progress,
-                                     out / "query_clips_heldout_sentences.npz", copies=NOISED_COPIES)
-            self.fingerprint["heldout_sentences"] = sentence_bank.fingerprint
-            held = QueryRows(sentence_bank, self.sentence_questions, silence, greeting_p, noised_p, split="heldout")
-            self.held_sentence = [held.row(r) for _ in range(HELD_ROWS)]
-            held.close()
+        self.held_sentence = held_rows("heldout_sentences", self.sentence_questions,
+                                       "query_clips_heldout_sentences.npz") if self.sentence_questions else []
 
     def prepare(self) -> None:
         """Nothing: the listen embeddings are the weights' own (the listening stage drew them from the codec)."""
