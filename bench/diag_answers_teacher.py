@@ -12,6 +12,9 @@ own (what it said before is its own); low here too = the corpus's questions are 
     python bench/diag_answers_teacher.py runs/s43/card/run/lm.safetensors runs/s44/ld/run/lm.safetensors \
         runs/s44/sd/run/lm.safetensors --data runs/s43/card/heldout --speak gold \
         --out bench/results/diag_answers_teacher_gold.json                   # and --speak silence: _silence
+    python bench/diag_answers_teacher.py runs/s49/l2q/run/lm.safetensors runs/s49/l2s/run/lm.safetensors \
+        runs/s49/qsent/run/lm.safetensors --data runs/s49/heldout_trainrel --level 2 --drilled-relations 80 \
+        --out bench/results/diag_l2_teacher_s49.json          # the Level-2 queries (session 49)
 """
 
 from __future__ import annotations
@@ -96,13 +99,15 @@ def score(lm, data: Dataset, speak: np.ndarray | None = None, batch_size: int = 
 
 
 @torch.no_grad()
-def score_queries(lm, data: Dataset, speak: np.ndarray | None = None, batch_size: int = 8) -> dict:
+def score_queries(lm, data: Dataset, speak: np.ndarray | None = None, batch_size: int = 8,
+                  drilled: frozenset[str] = frozenset()) -> dict:
     """Every Level-2 query of the held-out corpus (its `l2_query` samples), teacher-forced in the same rows:
     `query` its bytes all right, `who` its relation words, `what` its keywords, `start` its first byte at its
     tick; by condition, `first` / `later` (the dialog's first question or one after it: a later query follows
     the model's own earlier query and an L2 already filled) and what was asked about: `core` (one of the 23 core
     relations), `other` (another training relation) or `value` ("Who do I know that speaks Dutch?": no relation,
-    the value is the keyword; the query drills never ask these)."""
+    the value is the keyword; the query drills never ask these); with `drilled` (the relations a query stage
+    drilled) also `drilled` / `undrilled` by the relation asked."""
     tok = ByteTokenizer()
     dialogs = data.dialogs
     layouts = {x.stream: x for x in data.layouts}
@@ -124,7 +129,10 @@ def score_queries(lm, data: Dataset, speak: np.ndarray | None = None, batch_size
             k1 = r1 + 1 + len(tok.encode(", ".join(turn.query.keywords)))
             rel = turn.query.relations
             group = "value" if not rel else "core" if set(rel) <= CORE_RELATIONS else "other"
-            for k in ("all", "first" if asked == 1 else "later", group):
+            keys = ["all", "first" if asked == 1 else "later", group]
+            if drilled and rel:
+                keys.append("drilled" if set(rel) <= drilled else "undrilled")
+            for k in keys:
                 hits[cond][f"{k}/query"].append(bool(right[q0:q1].all()))
                 hits[cond][f"{k}/who"].append(bool(right[r0:r1].all()))
                 hits[cond][f"{k}/what"].append(bool(right[r1:k1].all()))
@@ -140,6 +148,9 @@ def main() -> int:
                    "the codec's silence throughout (a model whose own speech is not what it was trained on)")
     p.add_argument("--level", type=int, choices=(1, 2), default=1, help="1: the Level-1 answers; 2: the Level-2 "
                    "queries (who / what / start, as bench/diag_query_drills.py scores drill rows)")
+    p.add_argument("--drilled-relations", type=int, default=0, help="--level 2: also split by whether the relation "
+                   "asked is one of a query stage's N relations (its --relations; 0: no split)")
+    p.add_argument("--drilled-seed", type=int, default=3, help="that stage's --seed")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "diag_answers_teacher.json")
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -151,11 +162,16 @@ def main() -> int:
         from egomem.trigger.codec import build_codec
 
         speak = silence_code(build_codec(MimiConfig())).astype(np.int64)[:8]
+    drilled = frozenset()
+    if args.drilled_relations:
+        from egomem.training.query_drill import bank_questions
+
+        drilled = frozenset(rel for rel, _ in bank_questions(args.drilled_relations, 2, args.drilled_seed).values())
     out = {"data": str(args.data), "window": WINDOW, "head": HEAD, "speak": args.speak, "level": args.level,
            "models": {}}
     for w in args.weights:
         lm = build_lm("tiny", weights=str(w)).eval()
-        res = score(lm, data, speak) if args.level == 1 else score_queries(lm, data, speak)
+        res = score(lm, data, speak) if args.level == 1 else score_queries(lm, data, speak, drilled=drilled)
         out["models"][str(w)] = res
         for c, r in res.items():
             print(w, c, {k: f"{v['rate']:.2f} ({v['n']})" for k, v in r.items()
