@@ -89,18 +89,16 @@ def main() -> int:
     bank = ClipBank(codec, bank_voices(a.voices), sorted(train_q), a.seed, True, a.bank, copies=NOISED_COPIES,
                     per_question=a.voices_per_question or None)
     sources["train"] = (QueryRows(bank, train_q, silence), train_q)
-    voice_q = new_voice_questions(train_q, a.held_relations)
-    voice_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(voice_q), 1, True, a.voice_bank,
-                          copies=NOISED_COPIES)
-    sources["voices"] = (QueryRows(voice_bank, voice_q, silence, split="heldout"), voice_q)
-    sentence_q = new_sentence_questions(train_q, a.held_relations)
-    sentence_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(sentence_q), 1, True,
-                             a.sentence_bank, copies=NOISED_COPIES)
-    sources["sentences"] = (QueryRows(sentence_bank, sentence_q, silence, split="heldout"), sentence_q)
-    held_q = bank_questions(a.held_relations, 2, 1, split="heldout")
-    held_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(held_q), 1, True,
-                         a.held_bank, copies=NOISED_COPIES)
-    sources["heldout"] = (QueryRows(held_bank, held_q, silence, split="heldout"), held_q)
+
+    def held_out(questions: dict, cache: Path) -> tuple[QueryRows, dict]:
+        """Held-out households asked `questions` in the held-out voices (bank seed 1, cached at `cache`)."""
+        held_bank = ClipBank(codec, bank_voices(a.held_voices, "heldout"), sorted(questions), 1, True, cache,
+                             copies=NOISED_COPIES)
+        return QueryRows(held_bank, questions, silence, split="heldout"), questions
+
+    sources["voices"] = held_out(new_voice_questions(train_q, a.held_relations), a.voice_bank)
+    sources["sentences"] = held_out(new_sentence_questions(train_q, a.held_relations), a.sentence_bank)
+    sources["heldout"] = held_out(bank_questions(a.held_relations, 2, 1, split="heldout"), a.held_bank)
     rows = {}
     for split, (src, _) in sources.items():
         for cond, noised_p in (("clean", 0.0), ("noised", 1.0)):

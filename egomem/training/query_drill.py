@@ -244,8 +244,8 @@ class QueryTask:
                         out / "query_clips_train.npz", copies=NOISED_COPIES, per_question=per_question)
         self.fingerprint = {"train": bank.fingerprint}
         self.train = QueryRows(bank, questions, silence, greeting_p, noised_p)
-        self.held_questions = bank_questions(min(HELD_RELATIONS, relations or HELD_RELATIONS), TEMPLATES, held_seed,
-                                             split="heldout")
+        held_questions = bank_questions(min(HELD_RELATIONS, relations or HELD_RELATIONS), TEMPLATES, held_seed,
+                                        split="heldout")
         held_voices = bank_voices(min(HELD_VOICES, voices or HELD_VOICES), "heldout")
         r = random.Random(held_seed)
 
@@ -259,13 +259,17 @@ class QueryTask:
             finally:
                 source.close()
 
-        self.held = held_rows("heldout", self.held_questions, "query_clips_heldout.npz")
-        self.voice_questions = new_voice_questions(questions, HELD_RELATIONS)  # training relations, new voices
-        self.held_voice = held_rows("heldout_voices", self.voice_questions, "query_clips_heldout_voices.npz")
+        # score prefix -> (its rows, their questions); drawn in this order from `r`
+        self.held: dict[str, tuple[list[ListenRow], dict[str, tuple[str, Query]]]] = {}
+        self.held["held"] = (held_rows("heldout", held_questions, "query_clips_heldout.npz"), held_questions)
+        voice_questions = new_voice_questions(questions, HELD_RELATIONS)  # training relations, new voices
+        self.held["voice"] = (held_rows("heldout_voices", voice_questions, "query_clips_heldout_voices.npz"),
+                              voice_questions)
         # training relations in sentences the bank does not speak, new voices (none when it speaks them all)
-        self.sentence_questions = new_sentence_questions(questions, HELD_RELATIONS)
-        self.held_sentence = held_rows("heldout_sentences", self.sentence_questions,
-                                       "query_clips_heldout_sentences.npz") if self.sentence_questions else []
+        sentence_questions = new_sentence_questions(questions, HELD_RELATIONS)
+        if sentence_questions:
+            self.held["sentence"] = (held_rows("heldout_sentences", sentence_questions,
+                                               "query_clips_heldout_sentences.npz"), sentence_questions)
 
     def prepare(self) -> None:
         """Nothing: the listen embeddings are the weights' own (the listening stage drew them from the codec)."""
@@ -276,13 +280,8 @@ class QueryTask:
         return loss(self.lm, collate(self.lm, [self.train.row(rows) for _ in range(n)]), self.head_weight)
 
     def scores(self) -> dict[str, float]:
-        held = query_scores_teacher_forced(self.lm, self.held, self.held_questions, None)
-        voice = query_scores_teacher_forced(self.lm, self.held_voice, self.voice_questions, None)
-        out = {**{f"held_{k}": v for k, v in held.items()}, **{f"voice_{k}": v for k, v in voice.items()}}
-        if self.held_sentence:
-            sentence = query_scores_teacher_forced(self.lm, self.held_sentence, self.sentence_questions, None)
-            out |= {f"sentence_{k}": v for k, v in sentence.items()}
-        return out
+        return {f"{prefix}_{k}": v for prefix, (rows, questions) in self.held.items()
+                for k, v in query_scores_teacher_forced(self.lm, rows, questions, None).items()}
 
     def close(self) -> None:
         self.train.close()
