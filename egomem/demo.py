@@ -3,15 +3,18 @@
 Day 1: two people (LibriSpeech voices, face photos) meet the system, one per stream, and say who
 they are; the second names the first as a colleague. The memory worker enrols them and stores what
 they said. Day 2: each comes back with a *different* photo and recording; the polling loop
-recognises them, their profile lands in the Level-1 MemChunk; a relation query on the model's text
-channel lands the colleague's facts in the Level-2 MemChunk. Finally the first person is forgotten.
+recognises them, their profile lands in the Level-1 MemChunk; the first then asks, aloud, what her colleague
+does, and the relation query the model writes on its text channel lands the colleague's facts in the Level-2
+MemChunk. Finally the first person is forgotten.
 
 The offline dialog model is the shipped fine-tuned tiny model (README, "What the tiny model reached"):
 once a person is recognised on day 2 it greets them from their profile, and the timeline shows what it
 said (`says to <name>`: its text channel from the Level-1 refresh on; each day-2 visit keeps streaming
-`TAIL_S` of silence after the recording, so the model has time to speak). It does not yet write a
-`<retr>` query by itself, so the demo injects one on day 2 (the `orchestrator.accept_model_text`
-switch, on only for the demo and tests) and labels it so. The memory worker cuts the recorded streams
+`TAIL_S` of silence after the recording, so the model has time to speak). Nothing is injected: the day-2
+question is spoken (eSpeak NG in a voice no training stream used, since the model learnt to listen to eSpeak
+voices) and whatever query the model writes, right or wrong or none, is what the timeline shows
+(`run_scenario(inject_query=True)` puts the query on the text channel instead, through the test-only
+`orchestrator.accept_model_text` switch). The memory worker cuts the recorded streams
 into sessions with the shipped episodic trigger (trained on the shipped codec's codes), as `egomem
 serve` does.
 """
@@ -31,8 +34,10 @@ from egomem.client import ChatSession, EgoMemClient, stream_audio
 from egomem.config import REPO_ROOT, with_overrides
 
 DEFAULT_DATA = REPO_ROOT / "tests" / "data" / "identity"  # LibriSpeech + face photos (ATTRIBUTION.md there)
-QUERY = "<retr>:\ncolleague\nwork<answer>"
+QUERY = "<retr>:\ncolleague\nwork<answer>"  # what `inject_query` writes on the text channel (tests)
+QUESTION = "What does my colleague do for work?"  # spoken on day 2 by the first person (a corpus sentence)
 TAIL_S = 4.0  # silence streamed after a day-2 recording: the model's greeting runs ~1 byte per 80 ms tick
+ANSWER_S = 10.0  # silence after the spoken question: the query (~2-4 s), the retrieval, then the answer
 
 
 @dataclass(frozen=True)
@@ -82,14 +87,25 @@ class Timeline:
                 print(f"{'':>40}| {line}", flush=True)
 
 
+def question_audio(text: str = QUESTION) -> np.ndarray:
+    """`text` spoken by eSpeak NG in the first held-out voice (float32 mono 24 kHz)."""
+    from egomem.training.tts import HELDOUT_VOICES, synthesize
+
+    return synthesize(text, HELDOUT_VOICES[0])
+
+
 async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Timeline, seconds: float,
-                 poll_s: float, query: bool) -> tuple[ChatSession, str]:
-    """One person's stream: video frames + real-time audio (+ their words on day 1, + a query on day 2); the
-    session and, on day 2, what the model said from the L1 refresh on."""
+                 poll_s: float, ask: bool, inject: bool) -> tuple[ChatSession, str, float | None]:
+    """One person's stream: video frames + real-time audio (+ their words on day 1; + on day 2, when `ask`,
+    a spoken question, or with `inject` a query written on the model's text channel); the session, what the
+    model said from the L1 refresh on (day 2) and how many seconds after recognition it said their name."""
     face = (data / (p.face_day1 if day == 1 else p.face_day2)).read_bytes()
     voice = load_voice(data / (p.voice_day1 if day == 1 else p.voice_day2), seconds)
     if day == 2:
         voice = np.concatenate([voice, np.zeros(int(TAIL_S * 24000), np.float32)])
+    question = None
+    if ask and not inject:
+        question = np.concatenate([question_audio(), np.zeros(int(ANSWER_S * 24000), np.float32)])
     chat = await client.open_chat()
     chat.stream_id = (await chat.wait_event("stream_open"))["stream_id"]
     opened = time.monotonic()
@@ -103,8 +119,15 @@ async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Time
             await chat.send_video(face)
             await asyncio.sleep(min(1.0, poll_s / 2))
 
+    async def audio():
+        await stream_audio(chat, voice)
+        if question is not None:
+            tl.add(day, p.name, "asks (spoken)", voice="eSpeak held-out", text=QUESTION)
+            await stream_audio(chat, question)
+
     video_task = asyncio.create_task(video())
-    audio_task = asyncio.create_task(stream_audio(chat, voice))
+    audio_task = asyncio.create_task(audio())
+    heard_from, name_after = 0, None
     if day == 2:
         ev = await chat.wait_event("user_recognised", timeout=max(60.0, 10 * poll_s))
         tl.add(day, p.name, "recognised", as_name=ev["name"], by=ev["decided_by"], poll=ev.get("poll"),
@@ -112,35 +135,56 @@ async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Time
         ref = await chat.wait_event("memchunk_refreshed", timeout=60, level=1)
         heard_from = len(chat.text)  # the model's text channel from the L1 refresh on: what it says to them
         tl.add(day, p.name, "L1 MemChunk", latency_ms=ref["latency_ms"], text=ref["text"])
-        if query:
-            await asyncio.sleep(TAIL_S / 2)  # its greeting first
-            n = len(chat.events)
-            await chat.send_model_text(QUERY)
-            tl.add(day, p.name, "memory query", injected=True, text=QUERY.replace("\n", " | "))
-            r = await chat.wait_event("retrieval", timeout=60, after=n)
-            tl.add(day, p.name, "retrieval", latency_ms=r["latency_ms"], text="\n".join(r["results"]) or "(nothing)")
-            ref2 = await chat.wait_event("memchunk_refreshed", timeout=60, after=n, level=2)
-            tl.add(day, p.name, "L2 MemChunk", latency_ms=ref2["latency_ms"], text=ref2["text"])
+        n = len(chat.events)
+        try:  # the greeting: their name on the model's own text channel
+            await chat.wait_for(lambda c: p.name in c.text[heard_from:], timeout=TAIL_S + seconds)
+        except TimeoutError:
+            tl.add(day, "model", f"did not say {p.name}")
+        else:
+            name_after = round(time.monotonic() - ev["_t"], 2)
+            tl.add(day, "model", f"said {p.name}", after_recognised_s=name_after)
+        if ask:
+            if inject:
+                await asyncio.sleep(TAIL_S / 2)  # its greeting first
+                await chat.send_model_text(QUERY)
+                tl.add(day, p.name, "memory query", injected=True, text=QUERY.replace("\n", " | "))
+            # the visit's audio bounds the wait: a model that writes no query by its end has written none
+            wait_s = 60.0 if inject else (len(voice) + len(question)) / 24000 + 5
+            try:
+                r = await chat.wait_event("retrieval", timeout=wait_s, after=n)
+            except TimeoutError:
+                tl.add(day, "model", "wrote no memory query")
+            else:
+                tl.add(day, "model", "memory query", injected=inject, relations=r["query"]["relations"],
+                       keywords=r["query"]["keywords"])
+                tl.add(day, p.name, "retrieval", latency_ms=r["latency_ms"], text="\n".join(r["results"]) or "(nothing)")
+                ref2 = await chat.wait_event("memchunk_refreshed", timeout=60, after=n, level=2)
+                tl.add(day, p.name, "L2 MemChunk", latency_ms=ref2["latency_ms"], text=ref2["text"])
     await audio_task
     video_task.cancel()
     await chat.close()
     said = ""
     if day == 2:
-        said = chat.text[heard_from:].replace(QUERY, "")  # less the injected query
+        said = chat.text[heard_from:]
+        if inject:
+            said = said.replace(QUERY, "")  # less the injected query
         tl.add(day, "model", f"says to {p.name}", text=said.strip() or "(nothing)")
     tl.add(day, p.name, "stream closed", ticks_text_chars=len(chat.text))
-    return chat, said
+    return chat, said, name_after
 
 
 async def run_scenario(url: str, stream_token: str, admin_token: str, data: Path = DEFAULT_DATA,
-                       seconds: float = 6.0, poll_s: float = 2.0, job_timeout_s: float = 300.0) -> dict[str, Any]:
-    """The two-day scenario against a running stack; returns what happened (for the test and the plot)."""
+                       seconds: float = 6.0, poll_s: float = 2.0, job_timeout_s: float = 300.0,
+                       inject_query: bool = False) -> dict[str, Any]:
+    """The two-day scenario against a running stack; returns what happened (for the test and the plot).
+    `inject_query` writes the day-2 query on the model's text channel instead of asking aloud (needs
+    `orchestrator.accept_model_text`)."""
     tl = Timeline()
     out: dict[str, Any] = {"timeline": tl.rows}
     async with EgoMemClient(url, stream_token) as streamer, EgoMemClient(url, admin_token) as admin:
         await admin.wait_ready(120)
         for p in PEOPLE:  # day 1, one after the other: Filippo names Sonja, so she must exist first
-            chat, _ = await _visit(streamer, p, 1, data, tl, seconds, poll_s, query=False)
+            chat, _, _ = await _visit(streamer, p, 1, data, tl, seconds, poll_s, ask=False, inject=False)
             await admin.wait_jobs_done(job_timeout_s, chat.stream_id)
             tl.add(1, "memory", "job done", users=[u["name"] for u in await admin.users()])
         users = {u["name"]: u["user_id"] for u in await admin.users()}
@@ -150,13 +194,16 @@ async def run_scenario(url: str, stream_token: str, admin_token: str, data: Path
             tl.add(1, "memory", f"profile of {n}", text=text)
         out["day2"] = {}
         for p in PEOPLE:
-            chat, said = await _visit(streamer, p, 2, data, tl, seconds, poll_s, query=p is PEOPLE[0])
+            chat, said, name_after = await _visit(streamer, p, 2, data, tl, seconds, poll_s, ask=p is PEOPLE[0],
+                                      inject=inject_query)
             out["day2"][p.name] = {
                 "recognised": [(e["name"], e["user_id"], e.get("poll")) for e in chat.find("user_recognised")],
                 "l1": [e["text"] for e in chat.find("memchunk_refreshed", level=1)],
                 "l2": [e["text"] for e in chat.find("memchunk_refreshed", level=2)],
                 "retrieval": [e["results"] for e in chat.find("retrieval")],
+                "queries": [e["query"] for e in chat.find("retrieval")],
                 "model_said": said,  # its own words after the L1 refresh
+                "name_after_s": name_after,  # seconds from recognition to their name on its text channel
             }
             await admin.wait_jobs_done(job_timeout_s, chat.stream_id)
         victim = users.get(PEOPLE[0].name)
@@ -200,13 +247,13 @@ def main(cfg, data: Path | None = None, out_dir: Path | None = None, seconds: fl
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = with_overrides(cfg, {
         "memory": {"database": out_dir / "memory.sqlite3", "chunk_dir": out_dir / "chunks",
-                   "extractor": "rules" if cfg.memory.extractor == "auto" else cfg.memory.extractor},
-        "orchestrator": {"accept_model_text": True}}, source="demo")
+                   "extractor": "rules" if cfg.memory.extractor == "auto" else cfg.memory.extractor}},
+        source="demo")
     for f in out_dir.glob("memory.sqlite3*"):
         f.unlink()
     print("EgoMem demo. The dialog model is the shipped fine-tuned tiny model (offline default): on day 2 it\n"
-          "greets the people it recognises from their profile. It does not write a memory query by itself yet,\n"
-          "so the day-2 query is injected on its text channel (labelled injected).\n", flush=True)
+          "greets the people it recognises from their profile; asked aloud about a colleague, the memory query\n"
+          "it writes on its text channel (nothing is injected) drives the Level-2 retrieval.\n", flush=True)
     with Stack(cfg) as stack:
         result = asyncio.run(run_scenario(stack.url, stack.tokens["stream"], stack.tokens["admin"],
                                           data or DEFAULT_DATA, seconds, cfg.orchestrator.poll_interval_s))

@@ -30,7 +30,7 @@ def scenario(triton, tmp_path_factory):
     try:
         with OrchestratorThread(cfg) as orch:
             result = run(run_scenario(orch.url, STREAM_TOKEN, ADMIN_TOKEN, DATA / "identity", seconds=6.0,
-                                      poll_s=cfg.orchestrator.poll_interval_s, job_timeout_s=240))
+                                      poll_s=cfg.orchestrator.poll_interval_s, job_timeout_s=240, inject_query=True))
             metrics = orch.services.metrics
             yield cfg, result, metrics
     finally:

@@ -41,6 +41,10 @@ def test_name_words_reads_name_and_people_lines():
     assert name_words(L1) == ["Ada", "Lovelace", "Bob", "Lovelace", "Cy", "Ng"]
 
 
+def first_surname(sample: Sample) -> str:
+    return sample.l1_text.splitlines()[0].split()[2]
+
+
 def test_rename_people_keeps_every_frame_in_place():
     sample, tokens = _row()
     new, out = rename_people(sample, tokens, random.Random(3))
@@ -54,6 +58,11 @@ def test_rename_people_keeps_every_frame_in_place():
     assert new.l1_text.count(new.l1_text.splitlines()[0].split()[2]) == 2 and "Lovelace" not in new.l1_text
     assert np.array_equal(out[1:], tokens[1:]) and np.array_equal(out[0, :30], tokens[0, :30])
     assert (new.text, new.speak) == (sample.text, sample.speak)
+    # a Level-2 row: its L2 MemChunk names the same people, renamed alike (the answer copies from either)
+    l2 = Sample(**{**sample.__dict__, "kind": "l2_response", "l2_text": "Bob Lovelace (son): plays chess\nZed (pal): x"})
+    new2, _ = rename_people(l2, tokens, random.Random(3))
+    assert new2.l2_text == f"{bob} {first_surname(new2)} (son): plays chess\nZed (pal): x"
+    assert new2.l1_text == new.l1_text  # the same draws as the L1-only row
     # no name line: the row is returned as it was
     plain = Sample(**{**sample.__dict__, "l1_text": "likes: tea"})
     assert rename_people(plain, tokens, random.Random(0))[0] is plain

@@ -611,3 +611,18 @@ def test_speak_dropout_silences_the_speak_rows_and_their_loss(tmp_path):
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     with pytest.raises(ValueError, match="silence code"):
         _Trainer(_cfg(tmp_path, "none", speak_dropout=0.5), a, torch.device("cpu"), torch.float32)
+
+
+def test_query_seed_picks_the_drills_questions_apart_from_the_run_seed(tmp_path):
+    """--query-seed: the query drills' questions (and so their bank) follow it, not --seed, so a fine-tune with
+    another --seed reuses a query stage's bank; unset, they follow --seed. A real (one-clip) bank is spoken."""
+    from egomem.training.finetune import query_source
+    from egomem.training.query_drill import bank_questions
+
+    small = dict(query_drills=0.5, query_relations=2, query_voices=1, query_templates=1)
+    seeds = {s: set(bank_questions(2, 1, s)) for s in (0, 1, 2, 3)}
+    a, b = next((a, b) for a in seeds for b in seeds if seeds[a] != seeds[b])  # two seeds that ask differently
+    got = query_source(_cfg(tmp_path, "q", seed=b, query_seed=a, **small), {"n1": 256}, None, progress=False)
+    assert set(got.questions) == seeds[a]
+    plain = query_source(_cfg(tmp_path, "p", seed=b, **small), {"n1": 256}, None, progress=False)
+    assert set(plain.questions) == seeds[b]

@@ -62,12 +62,15 @@ def name_words(l1: str) -> list[str]:
 
 
 def rename_people(sample: Sample, tokens: np.ndarray, rng: random.Random) -> tuple[Sample, np.ndarray]:
-    """The row with its people renamed to same-length pseudo-names in L1 and on the text channel."""
+    """The row with its people renamed to same-length pseudo-names in L1, in L2 (a Level-2 answer reads the
+    name from either MemChunk, so both must agree with the text channel) and on the text channel."""
     words = sorted(set(name_words(sample.l1_text)), key=len, reverse=True)
     if not words:
         return sample, tokens
     new = {w: pseudo_word(len(w), rng) for w in words}
-    l1 = re.compile(r"\b(" + "|".join(map(re.escape, words)) + r")\b").sub(lambda m: new[m.group(0)], sample.l1_text)
+    names = re.compile(r"\b(" + "|".join(map(re.escape, words)) + r")\b")
+    l1 = names.sub(lambda m: new[m.group(0)], sample.l1_text)
+    l2 = names.sub(lambda m: new[m.group(0)], sample.l2_text)
     off = ByteTokenizer.OFFSET
     row = tokens[0].astype(np.int64)
     raw = bytes(int(x - off) if x >= off else 0 for x in row)  # specials -> NUL, never part of a name
@@ -75,7 +78,7 @@ def rename_people(sample: Sample, tokens: np.ndarray, rng: random.Random) -> tup
     renamed = np.frombuffer(pat.sub(lambda m: new[m.group(0).decode()].encode(), raw), dtype=np.uint8)
     tokens = tokens.copy()
     tokens[0] = np.where(row >= off, renamed.astype(np.int64) + off, row)
-    return dataclasses.replace(sample, l1_text=l1), tokens
+    return dataclasses.replace(sample, l1_text=l1, l2_text=l2), tokens
 
 
 def random_l1(rng: random.Random, max_bytes: int = RANDOM_L1_BYTES[1]) -> str:

@@ -110,6 +110,7 @@ class TrainConfig:
     query_voices: int = QUERY_VOICES  # training voices the query drills speak in
     query_templates: int = QUERY_TEMPLATES  # sentences each relation is asked in, of its 18
     query_voices_per_question: int = 0  # each sentence spoken in this many of those voices (0: all)
+    query_seed: int | None = None  # the drills' questions and bank (None: seed); another run's bank with its seed
     # per corpus row: its speak rows replaced by the codec's silence and its speak loss dropped, so what the model
     # hears and answers does not hang on its own speech being the corpus's (when served, it is the model's own)
     speak_dropout: float = 0.0
@@ -313,7 +314,7 @@ def query_source(cfg: TrainConfig, manifest: dict[str, Any], mimi: MimiConfig | 
 
     codec = build_codec(mimi or MimiConfig())
     check_codec(codec, manifest.get("codec"), "query drills")
-    return finetune_query_rows(codec, cfg.seed, int(manifest["n1"]),
+    return finetune_query_rows(codec, cfg.seed if cfg.query_seed is None else cfg.query_seed, int(manifest["n1"]),
                                Path(cfg.query_bank) if cfg.query_bank else Path(cfg.out) / "query_clips_train.npz",
                                relations=cfg.query_relations, voices=cfg.query_voices,
                                templates=cfg.query_templates, per_question=cfg.query_voices_per_question or None,
@@ -674,7 +675,10 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
                         "<retr> query with that entry of the profile's people: line)")
     p.add_argument("--query-bank", type=Path, help="the query drills' clip-bank cache (default: "
                    "<out>/query_clips_train.npz; a train-backbone --task query run folder's is the same bank when "
-                   "--seed and the --query-* settings match that run's)")
+                   "--query-seed (else --seed) and the --query-* settings match that run's)")
+    p.add_argument("--query-seed", type=int, default=d.query_seed,
+                   help="the query drills' questions and bank (default: --seed), so a later fine-tune with another "
+                        "--seed reuses a bank")
     p.add_argument("--query-relations", type=int, default=d.query_relations,
                    help="training relations the query drills ask about (the 23 core ones first)")
     p.add_argument("--query-voices", type=int, default=d.query_voices,
