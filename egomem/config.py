@@ -309,7 +309,7 @@ class OrchestratorConfig:
     retrieval: bool = True  # query detection + Level-2 refresh (needs text_encoder)
     chunk_steps: int = 1500  # a memory job every 2 min of stream (and one at stream end)
     record_audio: bool = True  # keep the user's raw 24 kHz audio in memory jobs (for transcription)
-    accept_model_text: bool = False  # let clients inject text into the model's text channel (demo/tests: random model)
+    accept_model_text: bool = False  # let clients inject text into the model's text channel (a test switch)
 
 
 @dataclass

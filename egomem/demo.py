@@ -148,8 +148,9 @@ async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Time
                 await asyncio.sleep(TAIL_S / 2)  # its greeting first
                 await chat.send_model_text(QUERY)
                 tl.add(day, p.name, "memory query", injected=True, text=QUERY.replace("\n", " | "))
-            # the visit's audio bounds the wait: a model that writes no query by its end has written none
-            wait_s = 60.0 if inject else (len(voice) + len(question)) / 24000 + 5
+            # the visit's audio bounds the wait: a model that writes no query by its end (+ 3 s) has written none
+            audio_s = (len(voice) + (0 if question is None else len(question))) / 24000
+            wait_s = 60.0 if inject else opened + audio_s + 3.0 - time.monotonic()
             try:
                 r = await chat.wait_event("retrieval", timeout=wait_s, after=n)
             except TimeoutError:
