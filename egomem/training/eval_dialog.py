@@ -279,28 +279,33 @@ def _print_row(entry: dict[str, Any], conditions: list[str]) -> None:
 
 
 def plot(report: dict[str, Any], path: Any) -> None:
-    """Bar chart: Fact Score per model x condition, Level 1 and Level 2 side by side."""
+    """Bar chart per model x condition: Level-1 and Level-2 Fact Score, and the Level-2 query's exact match
+    (#15's bar: the relations and keywords the model wrote both right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models, conds = report["models"], report["conditions"]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.5 * len(models)), 4), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(max(12, 3.6 * len(models)), 4), sharey=True)
     w = 0.8 / len(conds)
-    for ax, level in zip(axes, ("l1", "l2"), strict=True):
+    panels = (("l1", "fact_score", "Level-1 Fact Score (dotted: the reference's)"),
+              ("l2", "fact_score", "Level-2 Fact Score (dotted: the reference's)"),
+              ("l2", "exact", "Level-2 query exact match"))
+    for ax, (level, key, title) in zip(axes, panels, strict=True):
         for k, c in enumerate(conds):
-            vals = [m[c][level]["fact_score"] for m in models]
+            vals = [m[c][level]["fact_score"] if key == "fact_score" else (m[c][level].get("query") or {}).get(key)
+                    for m in models]
             bars = ax.bar([i + (k - (len(conds) - 1) / 2) * w for i in range(len(models))], [v or 0 for v in vals], w,
                           label=c)
             for b, v, m in zip(bars, vals, models, strict=True):
-                ceiling = m[c][level]["reference"]["fact_score"]  # the held-out text channel's own score
-                if ceiling is not None:
+                ceiling = m[c][level]["reference"]["fact_score"] if key == "fact_score" else None
+                if ceiling is not None:  # the held-out text channel's own score
                     ax.hlines(ceiling, b.get_x(), b.get_x() + w, colors="k", linestyles=":", linewidth=1)
                 ax.annotate("n/a" if v is None else f"{v:.2f}\nn={m[c][level]['n']}",
                             (b.get_x() + w / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(models)), [m["name"] for m in models], rotation=15, fontsize=8)
-        ax.set(ylim=(0, 1.15), title=f"Level-{level[1]} Fact Score (dotted: the reference's)", ylabel="Fact Score")
+        ax.set(ylim=(0, 1.15), title=title, ylabel="score")
         ax.legend(fontsize=8)
     decoding = f"sampled at T={report['temperature']}" if report.get("temperature") else "greedy"
     if report.get("start_temperature") is not None:
