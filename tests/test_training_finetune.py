@@ -626,3 +626,18 @@ def test_query_seed_picks_the_drills_questions_apart_from_the_run_seed(tmp_path)
     assert set(got.questions) == seeds[a]
     plain = query_source(_cfg(tmp_path, "p", seed=b, **small), {"n1": 256}, None, progress=False)
     assert set(plain.questions) == seeds[b]
+
+
+def test_listen_seed_reuses_another_seeds_listening_bank(tmp_path):
+    """--listen-seed: the listening drills' bank follows it, not --seed, so a fine-tune with another --seed loads a
+    bank built under the first seed from its cache instead of rebuilding (and overwriting) it."""
+    from egomem.training.finetune import listen_source
+
+    small = dict(listen_drills=0.5, listen_voices=1, listen_bank=tmp_path / "bank.npz")
+    manifest = {"n1": 256}
+    first = listen_source(_cfg(tmp_path, "a", seed=2, **small), manifest, None, progress=False)
+    built = (tmp_path / "bank.npz").stat().st_mtime_ns
+    again = listen_source(_cfg(tmp_path, "b", seed=5, listen_seed=2, **small), manifest, None, progress=False)
+    assert again.bank.fingerprint == first.bank.fingerprint and (tmp_path / "bank.npz").stat().st_mtime_ns == built
+    other = listen_source(_cfg(tmp_path, "c", seed=5, **small), manifest, None, progress=False)
+    assert other.bank.fingerprint != first.bank.fingerprint

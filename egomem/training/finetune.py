@@ -104,6 +104,7 @@ class TrainConfig:
     listen_questions: tuple[int, int] = (2, 3)  # spoken questions per listening drill (min, max)
     listen_voices: int = 0  # the drills speak in the first N training voices only (0: all 192)
     listen_bank: Path | None = None  # the drills' clip-bank cache; None = out/listen_clips_train.npz
+    listen_seed: int | None = None  # the listening drills' bank (None: seed); another run's bank with its seed
     query_drills: float = 0.0  # per row: replace it with a query drill (query_drill.py; byte tokenizer)
     query_bank: Path | None = None  # the query drills' clip-bank cache; None = out/query_clips_train.npz
     query_relations: int = QUERY_RELATIONS  # training relations the query drills ask about
@@ -298,7 +299,8 @@ def listen_source(cfg: TrainConfig, manifest: dict[str, Any], mimi: MimiConfig |
     be the one the dataset was encoded with."""
     from egomem.trigger.codec import build_codec
 
-    return finetune_rows(build_codec(mimi or MimiConfig()), manifest.get("codec"), cfg.seed, cfg.listen_voices or None,
+    seed = cfg.seed if cfg.listen_seed is None else cfg.listen_seed
+    return finetune_rows(build_codec(mimi or MimiConfig()), manifest.get("codec"), seed, cfg.listen_voices or None,
                          tuple(cfg.listen_questions), int(manifest["n1"]),
                          Path(cfg.listen_bank) if cfg.listen_bank else Path(cfg.out) / "listen_clips_train.npz",
                          progress)
@@ -670,6 +672,9 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
                    help="listening drills speak in the first N training voices (0: all)")
     p.add_argument("--listen-bank", type=Path, help="the drills' clip-bank cache (default: <out>/listen_clips_train.npz; "
                    "a train-backbone --task listen run folder's listen_clips_train.npz is the same bank)")
+    p.add_argument("--listen-seed", type=int, default=d.listen_seed,
+                   help="the listening drills' bank (default: --seed), so a later fine-tune with another --seed "
+                        "reuses a bank")
     p.add_argument("--query-drills", type=float, default=d.query_drills,
                    help="share of rows replaced by query drills (a spoken question about 'my <relation>', then the "
                         "<retr> query with that entry of the profile's people: line)")
