@@ -9,6 +9,7 @@ stream in `--draws` slots with draw seeds 0.. (turn starts at T = 1):
   silence      10 s silence instead of the recording (no real speech before the question)
   train_voice  the demo's layout, the question in a training voice
   early        the profile at tick 2, 1 s silence, the question, 10 s (the corpus's own Level-2 layout)
+  demo_opus    the demo's layout through an Opus encode + decode, as a client's audio reaches the server
 
 Per variant: the share of draws whose text channel holds a `<retr>` query, and whether it is the right one
 (relation "colleague", keywords "work, job"); the text is kept in the JSON. No Level-2 refresh happens here, so
@@ -45,6 +46,22 @@ def silence(seconds: float) -> np.ndarray:
     return np.zeros(int(seconds * SR), np.float32)
 
 
+def opus_round_trip(pcm: np.ndarray) -> np.ndarray:
+    """`pcm` as the server hears it: Opus-encoded 80 ms at a time (egomem.client), decoded (orchestrator)."""
+    import sphn
+
+    writer, reader = sphn.OpusStreamWriter(SR), sphn.OpusStreamReader(SR)
+    out = []
+    for i in range(0, len(pcm), FRAME):
+        data = writer.append_pcm(pcm[i:i + FRAME])
+        if len(data):
+            got = reader.append_bytes(data)
+            if got.size:
+                out.append(got)
+    heard = np.concatenate(out) if out else np.zeros(0, np.float32)
+    return np.concatenate([heard, np.zeros(max(0, len(pcm) - len(heard)), np.float32)])[: len(pcm)]
+
+
 def variants() -> dict[str, tuple[np.ndarray, int]]:
     """name -> (24 kHz audio, the tick the profile is written at)."""
     recording = load_voice(DEFAULT_DATA / PEOPLE[0].voice_day2, 6.0)
@@ -54,6 +71,7 @@ def variants() -> dict[str, tuple[np.ndarray, int]]:
         "silence": (np.concatenate([silence(10), held, silence(10)]), 30),
         "train_voice": (np.concatenate([recording, silence(4), train, silence(10)]), 30),
         "early": (np.concatenate([silence(1), held, silence(10)]), 2),
+        "demo_opus": (opus_round_trip(np.concatenate([recording, silence(4), held, silence(10)])), 30),
     }
 
 
