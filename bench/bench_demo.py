@@ -12,7 +12,7 @@ over all runs, for every model named (`--weights`, repeatable; the shipped model
   - answered: the colleague's fact ("engineer") on the text channel after the query.
 
 The turn starts are drawn (the shipped model's start temperature), and each stream's draws follow its Triton
-correlation id, so runs differ: `--runs` repeats the scenario. Real time: ~70 s a run on a 2-core CPU.
+correlation id, so runs differ: `--runs` repeats the scenario. About 60-100 s a run on a 2-core CPU.
 
     python bench/bench_demo.py --runs 5 --out bench/results/bench_demo.json
     python bench/bench_demo.py --weights shipped=egomem/data/dialog_tiny.safetensors \\
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from egomem.config import load_config, with_overrides
-from egomem.demo import PEOPLE, run_scenario
+from egomem.demo import PEOPLE, run_scenario, scenario_config
 
 ASKER, OTHER = PEOPLE[0].name, PEOPLE[1].name
 RELATION, FACT = "colleague", "engineer"  # what the asker's question needs: Filippo is her colleague, an engineer
@@ -96,14 +96,12 @@ def run_model(name: str, weights: str | None, runs: int, start_temperature: floa
     scored = []
     for i in range(runs):
         with tempfile.TemporaryDirectory(prefix="egomem-bench-demo-") as tmp:
-            over: dict[str, Any] = {"server": {"run_dir": tmp},
-                                    "memory": {"database": Path(tmp) / "memory.sqlite3",
-                                               "chunk_dir": Path(tmp) / "chunks", "extractor": "rules"}}
+            over: dict[str, Any] = {"server": {"run_dir": tmp}, "dialog": {}}
             if weights:
-                over["dialog"] = {"weights": weights, "new_person": "restart"}
+                over["dialog"] |= {"weights": weights, "new_person": "restart"}
             if start_temperature is not None:
-                over.setdefault("dialog", {})["start_temperature"] = start_temperature
-            cfg = with_overrides(load_config(), over, source="bench_demo")
+                over["dialog"]["start_temperature"] = start_temperature
+            cfg = scenario_config(with_overrides(load_config(), over, source="bench_demo"), Path(tmp))
             with Stack(cfg) as stack:
                 result = asyncio.run(run_scenario(stack.url, stack.tokens["stream"], stack.tokens["admin"],
                                                   poll_s=cfg.orchestrator.poll_interval_s))

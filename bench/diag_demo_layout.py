@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from egomem.config import DialogConfig, MimiConfig
-from egomem.demo import DEFAULT_DATA, PEOPLE, QUESTION, load_voice
+from egomem.demo import DEFAULT_DATA, PEOPLE, QUESTION, load_voice, question_audio
 from egomem.dialog.serving import build_engine
 from egomem.retrieval import parse_query
-from egomem.training.tts import HELDOUT_VOICES, TRAIN_VOICES, synthesize
+from egomem.training.tts import TRAIN_VOICES
 from egomem.trigger.codec import build_codec
 
 SR, FRAME = 24000, 1920
@@ -65,7 +65,7 @@ def opus_round_trip(pcm: np.ndarray) -> np.ndarray:
 def variants() -> dict[str, tuple[np.ndarray, int]]:
     """name -> (24 kHz audio, the tick the profile is written at)."""
     recording = load_voice(DEFAULT_DATA / PEOPLE[0].voice_day2, 6.0)
-    held, train = synthesize(QUESTION, HELDOUT_VOICES[0]), synthesize(QUESTION, TRAIN_VOICES[0])
+    held, train = question_audio(), question_audio(TRAIN_VOICES[0])
     return {
         "demo": (np.concatenate([recording, silence(4), held, silence(10)]), 30),
         "silence": (np.concatenate([silence(10), held, silence(10)]), 30),

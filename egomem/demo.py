@@ -26,12 +26,15 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from egomem.client import ChatSession, EgoMemClient, stream_audio
 from egomem.config import REPO_ROOT, with_overrides
+
+if TYPE_CHECKING:
+    from egomem.training.tts import Voice
 
 DEFAULT_DATA = REPO_ROOT / "tests" / "data" / "identity"  # LibriSpeech + face photos (ATTRIBUTION.md there)
 QUERY = "<retr>:\ncolleague\nwork<answer>"  # what `inject_query` writes on the text channel (tests)
@@ -87,11 +90,11 @@ class Timeline:
                 print(f"{'':>40}| {line}", flush=True)
 
 
-def question_audio(text: str = QUESTION) -> np.ndarray:
-    """`text` spoken by eSpeak NG in the first held-out voice (float32 mono 24 kHz)."""
+def question_audio(voice: Voice | None = None) -> np.ndarray:
+    """The day-2 question spoken by eSpeak NG in `voice` (default: the first held-out voice), float32 mono 24 kHz."""
     from egomem.training.tts import HELDOUT_VOICES, synthesize
 
-    return synthesize(text, HELDOUT_VOICES[0])
+    return synthesize(QUESTION, voice or HELDOUT_VOICES[0])
 
 
 async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Timeline, seconds: float,
@@ -148,9 +151,8 @@ async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Time
                 await asyncio.sleep(TAIL_S / 2)  # its greeting first
                 await chat.send_model_text(QUERY)
                 tl.add(day, p.name, "memory query", injected=True, text=QUERY.replace("\n", " | "))
-            # the visit's audio bounds the wait: a model that writes no query by its end (+ 3 s) has written none
-            audio_s = (len(voice) + (0 if question is None else len(question))) / 24000
-            wait_s = 60.0 if inject else opened + audio_s + 3.0 - time.monotonic()
+            # asked aloud, the visit's audio bounds the wait: a model that writes no query by its end (+ 3 s) wrote none
+            wait_s = 60.0 if question is None else opened + (len(voice) + len(question)) / 24000 + 3.0 - time.monotonic()
             try:
                 r = await chat.wait_event("retrieval", timeout=wait_s, after=n)
             except TimeoutError:
@@ -240,18 +242,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def scenario_config(cfg, out_dir: Path):
+    """`cfg` for a private stack playing the scenario: a fresh SQLite store and chunks under `out_dir` (an old
+    store there is removed), the rule extractor unless one is configured (no LLM key offline)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in out_dir.glob("memory.sqlite3*"):
+        f.unlink()
+    return with_overrides(cfg, {
+        "memory": {"database": out_dir / "memory.sqlite3", "chunk_dir": out_dir / "chunks",
+                   "extractor": "rules" if cfg.memory.extractor == "auto" else cfg.memory.extractor}},
+        source="demo")
+
+
 def main(cfg, data: Path | None = None, out_dir: Path | None = None, seconds: float = 6.0) -> int:
     """Start a private stack (fresh store under <run_dir>/demo), run the scenario, print and plot it."""
     from egomem.stack import Stack
 
     out_dir = Path(out_dir or Path(cfg.server.run_dir) / "demo")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = with_overrides(cfg, {
-        "memory": {"database": out_dir / "memory.sqlite3", "chunk_dir": out_dir / "chunks",
-                   "extractor": "rules" if cfg.memory.extractor == "auto" else cfg.memory.extractor}},
-        source="demo")
-    for f in out_dir.glob("memory.sqlite3*"):
-        f.unlink()
+    cfg = scenario_config(cfg, out_dir)
     print("EgoMem demo. The dialog model is the shipped fine-tuned tiny model (offline default): on day 2 it\n"
           "greets the people it recognises from their profile; asked aloud about a colleague, the memory query\n"
           "it writes on its text channel (nothing is injected) drives the Level-2 retrieval.\n", flush=True)
