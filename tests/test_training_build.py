@@ -34,6 +34,7 @@ def test_make_corpus_writes_a_heldout_level1_dataset(tmp_path, monkeypatch, caps
         assert s.l1_text.startswith(f"name: {people[user].name}") and s.l2_text == ""
         assert max(sp.end for sp in s.text) <= ds.tokens(s.stream).shape[1]
     assert not list(out.glob("streams/*-noised.npy"))
+    assert ds.manifest["spec"]["pause"] == [3, 12] and ds.manifest["spec"]["dialog_gap"] == [12, 38]  # defaults
     with pytest.raises(SystemExit, match="already holds a dataset"):  # never overwrites one
         main(["make-corpus", "--out", str(out), "--households", "1", "--levels", "1"])
     assert json.loads((out / "manifest.json").read_text())["counts"]["households"] == 1
@@ -61,6 +62,24 @@ def test_make_corpus_heldout_people_with_training_relation_words(tmp_path, monke
     assert all(s.meta["split"] == "heldout" for s in ds.samples)
 
 
+def test_make_corpus_lays_out_the_pauses_and_dialog_gaps_it_is_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    out = tmp_path / "patient"
+    assert main(["make-corpus", "--out", str(out), "--households", "2", "--split", "heldout", "--levels", "1",
+                 "--no-noised", "--seed", "3", "--own-questions", "2,2", "--pause", "40,50",
+                 "--dialog-gap", "90,95"]) == 0
+    ds = Dataset(out)
+    assert ds.manifest["spec"]["pause"] == [40, 50] and ds.manifest["spec"]["dialog_gap"] == [90, 95]
+    pauses, gaps = [], []
+    for layout in ds.layouts:
+        for before, after in zip(layout.dialogs, layout.dialogs[1:]):
+            gaps.append(after.start - before.end)
+        for d in layout.dialogs:
+            pauses += [b.user_start - a.reply_end for a, b in zip(d.turns, d.turns[1:]) if not a.interrupted]
+    assert pauses and all(40 <= p <= 50 for p in pauses)
+    assert gaps and all(90 <= g <= 95 for g in gaps)
+
+
 def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypatch):
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
     with pytest.raises(SystemExit, match="needs an \\[llm\\] endpoint with an API key"):
@@ -73,6 +92,10 @@ def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypa
         main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "2,1"])
     with pytest.raises(SystemExit, match="--return-visit is a probability"):
         main(["make-corpus", "--out", str(tmp_path / "c"), "--return-visit", "1.5"])
+    with pytest.raises(SystemExit, match="--pause needs 0 <= min <= max"):
+        main(["make-corpus", "--out", str(tmp_path / "c"), "--pause", "9,3"])
+    with pytest.raises(SystemExit, match="--dialog-gap takes min,max"):
+        main(["make-corpus", "--out", str(tmp_path / "c"), "--dialog-gap", "long"])
     with pytest.raises(SystemExit, match="--dialogs-per-stream takes min,max"):
         main(["make-corpus", "--out", str(tmp_path / "c"), "--dialogs-per-stream", "two"])
     monkeypatch.setenv("DEEPSEEK_API_KEY", "sk-test")  # an endpoint with a key: the LLM writes the dialogs

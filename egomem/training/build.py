@@ -44,6 +44,13 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--return-visit", type=float, default=RETURN_VISIT, metavar="P",
                    help="chance of the main user's return visit, a second Level-1 dialog (template generator; "
                         "docs/training.md#corpus-41)")
+    spec = StreamSpec()
+    p.add_argument("--pause", default=",".join(map(str, spec.pause)),
+                   help="min,max frames (80 ms) of silence between the model's reply and the user's next turn; "
+                        "longer pauses teach the model to wait for a user who takes their time")
+    p.add_argument("--dialog-gap", default=",".join(map(str, spec.dialog_gap)),
+                   help="min,max frames of silence between two dialogs of a stream (the same person's return "
+                        "visit is greeted after it: keep it longer than --pause)")
     p.add_argument("--no-noised", action="store_true", help="skip the noised copy of each stream")
     p.add_argument("--listen", choices=LISTEN_ENCODINGS, default=StreamSpec().listen,
                    help="the user's listen row: 'whole' encodes the stream's microphone audio in one pass, as serving "
@@ -61,6 +68,7 @@ def run_build(args: argparse.Namespace) -> int:
         raise SystemExit(f"--levels takes 0, 1 and/or 2, got {args.levels!r}")
     lo, hi = _pair(args.dialogs_per_stream, "--dialogs-per-stream")
     own = _pair(args.own_questions, "--own-questions")
+    pause, dialog_gap = _pair(args.pause, "--pause"), _pair(args.dialog_gap, "--dialog-gap")
     client = None if args.generator == "template" else configured_client(cfg)
     if args.generator == "llm" and client is None:
         raise SystemExit("--generator llm needs an [llm] endpoint with an API key (see README 'Configuration')")
@@ -86,7 +94,7 @@ def run_build(args: argparse.Namespace) -> int:
     with MemoryTexts(households, l1_bytes=cfg.dialog.l1_steps, l2_bytes=cfg.dialog.l2_steps) as texts:
         ds = build_dataset(args.out, households, dialogs, texts, codec, args.seed, dialogs_per_stream=(lo, hi),
                            n1=cfg.dialog.l1_steps, n2=cfg.dialog.l2_steps, noised=not args.no_noised,
-                           spec=StreamSpec(listen=args.listen),
+                           spec=StreamSpec(listen=args.listen, pause=pause, dialog_gap=dialog_gap),
                            tokenizer=load_tokenizer(cfg.dialog.tokenizer),
                            tokenizer_name=str(cfg.dialog.tokenizer or "byte"),
                            corpus_options={"own_questions": list(own), "return_visit": args.return_visit,
