@@ -1,8 +1,9 @@
 """The demo scenario end to end: real tritonserver (codec, dialog, face, speaker, text encoders), the
 real orchestrator on loopback, the memory worker over SQLite on disk with the shipped episodic trigger,
-real WebSocket clients. Asserts
-who was recognised when, what entered each MemChunk, and what the store holds after day 1 and after
-forget."""
+real WebSocket clients, the dialog model decoded as shipped. Asserts who was recognised when, what entered each
+MemChunk, that the model greets a recognised person by name on its own text channel, and what the store holds
+after day 1 and after forget. The Level-2 query is injected (`inject_query=True`): the shipped model writes none
+(README model card)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,29 @@ import pytest
 from egomem.demo import PEOPLE, run_scenario
 from egomem.memory import open_store
 from egomem.memory.worker import run_worker
-from tests.conftest import DATA, test_config
+from egomem.serving.launcher import TritonServer
+from tests.conftest import DATA, TritonFixture, test_config
 from tests.orchestrator_harness import ADMIN_TOKEN, STREAM_TOKEN, OrchestratorThread, orchestrator_config, run
 
 
 @pytest.fixture(scope="module")
-def scenario(triton, tmp_path_factory):
+def served_as_shipped(tmp_path_factory):
+    """A tritonserver of its own with the dialog model decoded as shipped (turn starts drawn at the checkpoint's
+    own start temperature, `dialog.start_temperature = "auto"`), as `egomem demo` serves it; the session's
+    `triton` decodes greedily so other tests can replay a stream tick for tick, and greedily the model stays
+    silent."""
+    cfg = test_config(tmp_path_factory.mktemp("triton_shipped"), mimi={"max_streams": 8})
+    server = TritonServer(cfg, models=[])
+    server.start()
+    try:
+        yield TritonFixture(server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def scenario(served_as_shipped, tmp_path_factory):
+    triton = served_as_shipped
     for m in ("mimi_codec", "dialog_lm", "face_encoder", "speaker_encoder", "text_encoder"):
         triton.load(m)
     d = tmp_path_factory.mktemp("orch_e2e")
@@ -53,6 +71,18 @@ def test_day2_each_is_recognised_at_the_first_poll_and_their_profile_fills_l1(sc
         assert [(name, poll) for name, _, poll in day2["recognised"]] == [(p.name, 1)]
         assert day2["recognised"][0][1] == r["user_ids"][p.name]
         assert len(day2["l1"]) == 1 and day2["l1"][0].startswith(f"name: {p.name}")
+
+
+def test_day2_the_served_model_greets_a_recognised_person_by_name(scenario):
+    """#15: the model's own text channel holds the person's name within a few seconds of recognition. Turn
+    starts are drawn (T = 1) and ticks follow the wall clock, so a visit may miss: the shipped file greeted
+    17 of 18 day-2 visits by name in `bench/bench_demo.py` runs (sessions 50-51), Sonja 1.0-1.8 s and Filippo
+    (who is still talking) 1.3-7.6 s after recognition. Both visits missing is what fails here; a model that
+    does not read its Level-1 MemChunk never names them."""
+    _, r, _ = scenario
+    after = {p.name: r["day2"][p.name]["name_after_s"] for p in PEOPLE}
+    assert any(s is not None and s <= 8.0 for s in after.values()), (after, {
+        p.name: r["day2"][p.name]["model_said"] for p in PEOPLE})
 
 
 def test_a_relation_query_lands_the_colleagues_facts_in_l2(scenario):
