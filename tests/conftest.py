@@ -10,6 +10,8 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -69,18 +71,25 @@ class TritonFixture:
         return self.server.log_tail(lines)
 
 
-@pytest.fixture(scope="session")
-def triton(tmp_path_factory) -> TritonFixture:
-    # small batched codec steps on 2 CPU cores; the served dialog model decodes without draws (its shipped
-    # setting draws turn starts at T = 1, seeded per stream id, and a replay is a new stream), so tests can
-    # replay a stream tick for tick
-    cfg = test_config(tmp_path_factory.mktemp("triton"), mimi={"max_streams": 8}, dialog={"start_temperature": None})
+@contextmanager
+def triton_server(cfg: Config) -> Iterator[TritonFixture]:
+    """A tritonserver on `cfg`'s ports and model repository, no model loaded, stopped on exit."""
     server = TritonServer(cfg, models=[])
     server.start()
     try:
         yield TritonFixture(server)
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory) -> Iterator[TritonFixture]:
+    # small batched codec steps on 2 CPU cores; the served dialog model decodes without draws (its shipped
+    # setting draws turn starts at T = 1, seeded per stream id, and a replay is a new stream), so tests can
+    # replay a stream tick for tick
+    cfg = test_config(tmp_path_factory.mktemp("triton"), mimi={"max_streams": 8}, dialog={"start_temperature": None})
+    with triton_server(cfg) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

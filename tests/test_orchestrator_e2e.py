@@ -14,8 +14,7 @@ import pytest
 from egomem.demo import PEOPLE, run_scenario
 from egomem.memory import open_store
 from egomem.memory.worker import run_worker
-from egomem.serving.launcher import TritonServer
-from tests.conftest import DATA, TritonFixture, test_config
+from tests.conftest import DATA, test_config, triton_server
 from tests.orchestrator_harness import ADMIN_TOKEN, STREAM_TOKEN, OrchestratorThread, orchestrator_config, run
 
 
@@ -25,13 +24,8 @@ def served_as_shipped(tmp_path_factory):
     own start temperature, `dialog.start_temperature = "auto"`), as `egomem demo` serves it; the session's
     `triton` decodes greedily so other tests can replay a stream tick for tick, and greedily the model stays
     silent."""
-    cfg = test_config(tmp_path_factory.mktemp("triton_shipped"), mimi={"max_streams": 8})
-    server = TritonServer(cfg, models=[])
-    server.start()
-    try:
-        yield TritonFixture(server)
-    finally:
-        server.stop()
+    with triton_server(test_config(tmp_path_factory.mktemp("triton_shipped"), mimi={"max_streams": 8})) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
