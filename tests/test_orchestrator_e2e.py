@@ -19,7 +19,7 @@ from tests.orchestrator_harness import ADMIN_TOKEN, STREAM_TOKEN, OrchestratorTh
 
 
 @pytest.fixture(scope="module")
-def served_as_shipped(tmp_path_factory):
+def shipped_triton(tmp_path_factory):
     """A tritonserver of its own with the dialog model decoded as shipped (turn starts drawn at the checkpoint's
     own start temperature, `dialog.start_temperature = "auto"`), as `egomem demo` serves it; the session's
     `triton` decodes greedily so other tests can replay a stream tick for tick, and greedily the model stays
@@ -29,12 +29,11 @@ def served_as_shipped(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def scenario(served_as_shipped, tmp_path_factory):
-    triton = served_as_shipped
+def scenario(shipped_triton, tmp_path_factory):
     for m in ("mimi_codec", "dialog_lm", "face_encoder", "speaker_encoder", "text_encoder"):
-        triton.load(m)
+        shipped_triton.load(m)
     d = tmp_path_factory.mktemp("orch_e2e")
-    cfg = orchestrator_config(test_config(d), d, triton.grpc_url, accept_model_text=True)
+    cfg = orchestrator_config(test_config(d), d, shipped_triton.grpc_url, accept_model_text=True)
     cfg.memory.extractor = "rules"  # no LLM key in tests: the offline rule extractor (it says so in the log)
     stop = threading.Event()
     worker = threading.Thread(target=run_worker, args=(cfg, stop), daemon=True)  # the shipped trigger cuts sessions

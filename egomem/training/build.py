@@ -52,7 +52,7 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
                    help="min,max frames of silence between two dialogs of a stream (the same person's return "
                         "visit is greeted after it: keep it longer than --pause)")
     p.add_argument("--no-noised", action="store_true", help="skip the noised copy of each stream")
-    p.add_argument("--listen", choices=LISTEN_ENCODINGS, default=StreamSpec().listen,
+    p.add_argument("--listen", choices=LISTEN_ENCODINGS, default=spec.listen,
                    help="the user's listen row: 'whole' encodes the stream's microphone audio in one pass, as serving "
                         "does; 'spliced' cuts in each utterance's own codes (corpora made before session 42)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the codec (1 is fastest on small CPUs)")
