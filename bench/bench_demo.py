@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from egomem.config import load_config, with_overrides
-from egomem.demo import PEOPLE, run_scenario, scenario_config
+from egomem.demo import ASKED_RELATION, PEOPLE, QUESTION, run_scenario, scenario_config
 
 ASKER, OTHER = PEOPLE[0].name, PEOPLE[1].name
-RELATION, FACT = "colleague", "engineer"  # what the asker's question needs: Filippo is her colleague, an engineer
+FACT = "engineer"  # what the asker's question needs: her colleague Filippo works as an engineer
 
 
 def score_run(result: dict[str, Any]) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def score_run(result: dict[str, Any]) -> dict[str, Any]:
         "greeted": {p.name: result["day2"][p.name]["name_after_s"] for p in PEOPLE},
         "query_written": bool(queries),
         "queries": queries,
-        "query_names_relation": any(RELATION in q["relations"] for q in queries),
+        "query_names_relation": any(ASKED_RELATION in q["relations"] for q in queries),
         "answered": FACT in after_query,
         "asker_said": said,
     }
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for _, w in models:
         if w and not Path(w).is_file():
             p.error(f"no dialog weights at {w}")
-    report = {"runs": a.runs, "question": "What does my colleague do for work?", "start_temperature": a.start_temperature,
+    report = {"runs": a.runs, "question": QUESTION, "start_temperature": a.start_temperature,
               "models": [run_model(n, w, a.runs, a.start_temperature) for n, w in models]}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1, default=str))

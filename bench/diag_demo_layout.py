@@ -29,17 +29,17 @@ import numpy as np
 import torch
 
 from egomem.config import DialogConfig, MimiConfig
-from egomem.demo import DEFAULT_DATA, PEOPLE, QUESTION, load_voice, question_audio
+from egomem.demo import ASKED_RELATION, DEFAULT_DATA, PEOPLE, QUESTION, load_voice, question_audio
 from egomem.dialog.serving import build_engine
+from egomem.protocol import SAMPLE_RATE as SR
 from egomem.retrieval import parse_query
 from egomem.training.tts import TRAIN_VOICES
+from egomem.trigger.codec import FRAME_SAMPLES as FRAME
 from egomem.trigger.codec import build_codec
 
-SR, FRAME = 24000, 1920
 # what the demo's store renders for Sonja after day 1 (the rules extractor; session 50's run)
 PROFILE = ('name: Sonja\npeople: Filippo (colleague)\nfact: lives in Paris\nlikes: tennis\npersona: Likes sports\n'
            'earlier: [offline fallback summary] Sonja talked (3 sentences); began: "Hello, my name is Sonja."')
-RELATION = "colleague"
 
 
 def silence(seconds: float) -> np.ndarray:
@@ -95,11 +95,11 @@ def run_model(weights: str, draws: int, codes: dict[str, tuple[torch.Tensor, int
             engine.close(s)
         said = [tok.decode([x for x in row if x >= 0]) for row in rows]
         queries = [parse_query(s, len(s) + 1) for s in said]  # the last whole query anywhere in the stream
-        right = [q is not None and RELATION in q.relations for q in queries]
+        right = [q is not None and ASKED_RELATION in q.relations for q in queries]
         out[name] = {"query_written": sum(q is not None for q in queries) / draws, "query_right": sum(right) / draws,
                      "said": said}
         print(f"{weights}  {name:<12} query written {sum(q is not None for q in queries)}/{draws}, "
-              f"naming {RELATION!r} {sum(right)}/{draws}", flush=True)
+              f"naming {ASKED_RELATION!r} {sum(right)}/{draws}", flush=True)
     return out
 
 

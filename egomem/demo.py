@@ -37,8 +37,9 @@ if TYPE_CHECKING:
     from egomem.training.tts import Voice
 
 DEFAULT_DATA = REPO_ROOT / "tests" / "data" / "identity"  # LibriSpeech + face photos (ATTRIBUTION.md there)
-QUERY = "<retr>:\ncolleague\nwork<answer>"  # what `inject_query` writes on the text channel (tests)
-QUESTION = "What does my colleague do for work?"  # spoken on day 2 by the first person (a corpus sentence)
+ASKED_RELATION = "colleague"  # the day-2 question's relation: Filippo is Sonja's colleague
+QUERY = f"<retr>:\n{ASKED_RELATION}\nwork<answer>"  # what `inject_query` writes on the text channel (tests)
+QUESTION = f"What does my {ASKED_RELATION} do for work?"  # spoken on day 2 by the first person (a corpus sentence)
 TAIL_S = 4.0  # silence streamed after a day-2 recording: the model's greeting runs ~1 byte per 80 ms tick
 ANSWER_S = 10.0  # silence after the spoken question: the query (~2-4 s), the retrieval, then the answer
 
@@ -153,6 +154,7 @@ async def _visit(client: EgoMemClient, p: Person, day: int, data: Path, tl: Time
                 tl.add(day, p.name, "memory query", injected=True, text=QUERY.replace("\n", " | "))
             # asked aloud, the visit's audio bounds the wait: a model that writes no query by its end (+ 3 s) wrote none
             wait_s = 60.0 if question is None else opened + (len(voice) + len(question)) / 24000 + 3.0 - time.monotonic()
+            wait_s = max(wait_s, 3.0)  # a greeting wait that outlasted the audio still leaves the query a moment
             try:
                 r = await chat.wait_event("retrieval", timeout=wait_s, after=n)
             except TimeoutError:
