@@ -80,6 +80,21 @@ def test_make_corpus_lays_out_the_pauses_and_dialog_gaps_it_is_given(tmp_path, m
     assert gaps and all(90 <= g <= 95 for g in gaps)
 
 
+def test_make_corpus_asks_in_the_return_visit_and_records_it(tmp_path, monkeypatch):
+    """--visit-asks 1 --graph-dialogs 0: every Level-2 sample comes from a greeted return visit, and the
+    manifest records both options."""
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    out = tmp_path / "visit"
+    assert main(["make-corpus", "--out", str(out), "--households", "2", "--split", "heldout", "--levels", "1,2",
+                 "--no-noised", "--seed", "3", "--return-visit", "1", "--graph-dialogs", "0",
+                 "--visit-asks", "1"]) == 0
+    ds = Dataset(out)
+    assert ds.manifest["corpus_options"]["graph_dialogs"] == 0 and ds.manifest["corpus_options"]["visit_asks"] == 1.0
+    level2 = [d for d in ds.dialogs if d.level == 2]
+    assert len(level2) == 2 and all(d.turns[0].user == "" and d.turns[-1].query for d in level2)
+    assert {"l2_query", "l2_response", "l1_response"} <= {s.kind for s in ds.samples}
+
+
 def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypatch):
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
     with pytest.raises(SystemExit, match="needs an \\[llm\\] endpoint with an API key"):
@@ -92,6 +107,10 @@ def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypa
         main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "2,1"])
     with pytest.raises(SystemExit, match="--return-visit is a probability"):
         main(["make-corpus", "--out", str(tmp_path / "c"), "--return-visit", "1.5"])
+    with pytest.raises(SystemExit, match="--visit-asks is a probability"):
+        main(["make-corpus", "--out", str(tmp_path / "c"), "--visit-asks", "-0.1"])
+    with pytest.raises(SystemExit, match="--graph-dialogs takes a count"):
+        main(["make-corpus", "--out", str(tmp_path / "c"), "--graph-dialogs", "-1"])
     with pytest.raises(SystemExit, match="--pause needs 0 <= min <= max"):
         main(["make-corpus", "--out", str(tmp_path / "c"), "--pause", "9,3"])
     with pytest.raises(SystemExit, match="--dialog-gap takes min,max"):

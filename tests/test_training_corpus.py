@@ -192,6 +192,28 @@ def test_return_visits_put_the_same_person_twice_in_a_row_in_some_streams(train)
     assert len(dialogs) - len(before) == sum(n == 2 for n in visits.values()) and all(d in dialogs for d in before)
 
 
+def test_a_return_visit_may_end_with_a_relation_question_and_graph_dialogs_can_be_left_out(train):
+    """visit_asks: the return visit (greeting, 0-1 own questions) ends with a Level-2 question about the
+    household's graph in about that share of households, as the demo's day 2 does; graph_dialogs = 0 leaves
+    no dialog that is only about the graph; the defaults draw nothing new (the corpus as before)."""
+    households, dialogs = train
+    hs, ds = make_corpus(300, "train", 7, return_visit=1.0, graph_dialogs=0, visit_asks=0.5)
+    assert [h.main for h in hs] == [h.main for h in households]
+    level2 = [d for d in ds if d.level == 2]
+    assert abs(len(level2) / len(hs) - 0.5) < 0.1
+    for d in level2:
+        assert d.user_id == d.household and d.turns[0].user == "" and d.turns[0].names  # a greeted visit
+        assert [t.level for t in d.turns[1:-1]] in ([], [1]) and d.turns[-1].level == 2
+        assert d.turns[-1].query is not None and d.turns[-1].names
+        edges = {e.relation for h in hs if h.main.user_id == d.household for e in h.edges}
+        assert set(d.turns[-1].query.relations) <= edges
+    pure = [d for d in ds if d.level == 2 and d.turns[0].user != ""]
+    assert pure == []  # no Level-2 dialog that opens with a question: the graph dialogs are gone
+    assert make_corpus(300, "train", 7) == train  # defaults: exactly the corpus the test module built
+    with pytest.raises(ValueError, match="visit_asks"):
+        make_corpus(2, "train", 7, visit_asks=1.5)
+
+
 def test_level2_turns_query_edges_of_their_household(train):
     households, dialogs = train
     by_main = {h.main.user_id: h for h in households}

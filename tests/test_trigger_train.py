@@ -112,6 +112,25 @@ def test_voice_change_loss_trains_and_resumes_to_the_same_weights(cache, tmp_pat
         fit(make_model(TINY, seed=1), cache, ckpt=ckpt, **(kw | {"voice_change_weight": 1.0}))
 
 
+def test_activity_loss_trains_and_resumes_to_the_same_weights(cache, tmp_path):
+    """The auxiliary speech-activity head (is a user speaking on the listen row at this step?): it adds to the
+    loss on the same first batch, its state resumes with the run, and a resume with another weight is refused."""
+    torch.set_num_threads(1)
+    kw = dict(steps=6, batch=2, stream_steps=512, lr=3e-3, seed=1, progress=False, activity_weight=0.5)
+    straight = make_model(TINY, seed=1)
+    losses = fit(straight, cache, **kw)
+    assert losses[0] > fit(make_model(TINY, seed=1), cache, **(kw | {"activity_weight": 0.0}))[0]
+    ckpt = tmp_path / "ckpt" / "last.pt"
+    fit(make_model(TINY, seed=1), cache, ckpt=ckpt, ckpt_every=2, stop_after=3, **kw)
+    assert torch.load(ckpt, weights_only=False)["activity_head"] is not None
+    resumed = make_model(TINY, seed=1)
+    assert fit(resumed, cache, ckpt=ckpt, **kw) == losses
+    for k, v in straight.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], v)
+    with pytest.raises(SystemExit, match="activity-weight"):
+        fit(make_model(TINY, seed=1), cache, ckpt=ckpt, **(kw | {"activity_weight": 0.0}))
+
+
 def test_a_trigger_reading_the_voice_track_trains_with_dropout_and_resumes_to_the_same_weights(cache, tmp_path):
     """voice_dim > 0 (the default): the polls enter training, withheld per stream and per poll with rng
     draws that a resumed run repeats; the track changes the loss; another dropout refuses the resume."""

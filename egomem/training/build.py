@@ -17,7 +17,7 @@ from egomem.config import load_config
 from egomem.dialog.tokenizer import load_tokenizer
 from egomem.trigger.codec import build_codec
 
-from .corpus import GENERATOR, OWN_QUESTIONS, RETURN_VISIT, make_corpus
+from .corpus import GENERATOR, GRAPH_DIALOGS, OWN_QUESTIONS, RETURN_VISIT, make_corpus
 from .corpus_llm import configured_client, make_llm_corpus
 from .dataset import build_dataset
 from .memory_text import MemoryTexts
@@ -44,6 +44,11 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--return-visit", type=float, default=RETURN_VISIT, metavar="P",
                    help="chance of the main user's return visit, a second Level-1 dialog (template generator; "
                         "docs/training.md#corpus-41)")
+    p.add_argument("--graph-dialogs", type=int, default=GRAPH_DIALOGS, metavar="N",
+                   help="Level-2 dialogs about the main user's relation graph per household (template generator)")
+    p.add_argument("--visit-asks", type=float, default=0.0, metavar="P",
+                   help="chance that the return visit ends with a relation-graph question, as `egomem demo`'s day 2 "
+                        "does (template generator; such a visit is a Level-2 dialog)")
     spec = StreamSpec()
     p.add_argument("--pause", default=",".join(map(str, spec.pause)),
                    help="min,max frames (80 ms) of silence between the model's reply and the user's next turn; "
@@ -74,15 +79,21 @@ def run_build(args: argparse.Namespace) -> int:
         raise SystemExit("--generator llm needs an [llm] endpoint with an API key (see README 'Configuration')")
     if not 0.0 <= args.return_visit <= 1.0:
         raise SystemExit(f"--return-visit is a probability in [0, 1], got {args.return_visit}")
-    if client is not None and (own != OWN_QUESTIONS or args.return_visit != RETURN_VISIT):
-        raise SystemExit("--own-questions and --return-visit shape the template generator's dialogs; with an LLM "
-                         "endpoint configured add --generator template, or drop them")
+    if args.graph_dialogs < 0:
+        raise SystemExit(f"--graph-dialogs takes a count >= 0, got {args.graph_dialogs}")
+    if not 0.0 <= args.visit_asks <= 1.0:
+        raise SystemExit(f"--visit-asks is a probability in [0, 1], got {args.visit_asks}")
+    template_only = (own != OWN_QUESTIONS or args.return_visit != RETURN_VISIT
+                     or args.graph_dialogs != GRAPH_DIALOGS or args.visit_asks > 0)
+    if client is not None and template_only:
+        raise SystemExit("--own-questions, --return-visit, --graph-dialogs and --visit-asks shape the template "
+                         "generator's dialogs; with an LLM endpoint configured add --generator template, or drop them")
     relation_words = None if args.relation_words == "split" else args.relation_words
     if client is not None and relation_words is not None:
         raise SystemExit("--relation-words train needs the template generator; add --generator template")
     if client is None:
         households, dialogs = make_corpus(args.households, args.split, args.seed, own, args.return_visit,
-                                          relation_words)
+                                          relation_words, args.graph_dialogs, args.visit_asks)
         print(f"{len(dialogs)} dialogs from {GENERATOR}")
     else:
         households, dialogs, rejected = make_llm_corpus(args.households, args.split, args.seed, client)
@@ -98,7 +109,10 @@ def run_build(args: argparse.Namespace) -> int:
                            tokenizer=load_tokenizer(cfg.dialog.tokenizer),
                            tokenizer_name=str(cfg.dialog.tokenizer or "byte"),
                            corpus_options={"own_questions": list(own), "return_visit": args.return_visit,
-                                           **({"relation_words": relation_words} if relation_words else {})}
+                                           **({"relation_words": relation_words} if relation_words else {}),
+                                           **({"graph_dialogs": args.graph_dialogs}
+                                              if args.graph_dialogs != GRAPH_DIALOGS else {}),
+                                           **({"visit_asks": args.visit_asks} if args.visit_asks > 0 else {})}
                            if client is None else None)
     print(f"wrote {args.out}: {ds.manifest.get('counts')}")
     return 0

@@ -14,6 +14,9 @@
 - A return visit: the main user comes back for another Level-1 dialog (a greeting, 0-1 questions),
   so that a stream can hold the same person twice in a row, as the Level-2 dialogs make it do, and
   the model learns to greet a person again who comes back without anyone else in between.
+  With `visit_asks` > 0 the return visit may end with a Level-2 question (`egomem demo`'s day 2: a
+  greeting, then "What does my colleague do for work?"), so that a question about the relation graph
+  also comes inside a visit that opened with a profile greeting, not only in dialogs of its own.
 
 Replies stay short (the byte-level tiny model speaks ~1 byte per 80 ms step): at most
 `MAX_REPLY_CHARS`, greetings at most `MAX_GREETING_CHARS`. Every dialog records `GENERATOR`.
@@ -33,6 +36,7 @@ MAX_REPLY_CHARS = 60  # ~5 s of text steps at one byte per 80 ms step
 MAX_GREETING_CHARS = 40
 OWN_QUESTIONS = (1, 2)  # questions about their own profile in the main user's Level-1 dialog (min, max)
 RETURN_VISIT = 0.75  # chance of the main user's return visit (module docstring)
+GRAPH_DIALOGS = 2  # Level-2 dialogs about the main user's relation graph per household
 SUMMARY = "Talked about {}."  # how a summary line reads in the profile
 _KIN_WORDS = frozenset(("sister brother mother father son daughter cousin aunt uncle grandmother grandfather niece "
                         "nephew twin mum dad grandma grandpa stepbrother stepsister").split())
@@ -263,10 +267,12 @@ def _general(rng: random.Random) -> Turn:
 
 
 def make_dialogs(household: Household, rng: random.Random, own_questions: tuple[int, int] = OWN_QUESTIONS,
-                 return_visit: float = RETURN_VISIT) -> list[Dialog]:
+                 return_visit: float = RETURN_VISIT, graph_dialogs: int = GRAPH_DIALOGS,
+                 visit_asks: float = 0.0) -> list[Dialog]:
     """The dialogs of one household: Level 1 with the main user (a greeting, then `own_questions` (min, max)
-    questions about their profile; some related people too), Level 2 about the main user's relation graph,
-    Level 0 general instructions, and maybe the main user's return visit (Level 1)."""
+    questions about their profile; some related people too), `graph_dialogs` Level-2 dialogs about the main
+    user's relation graph, Level 0 general instructions, and maybe the main user's return visit (Level 1, or
+    Level 2 when it ends with a relation-graph question: chance `visit_asks`)."""
     h, out = household, []
 
     def dialog(user: Profile, turns: list[Turn]) -> None:
@@ -281,26 +287,33 @@ def make_dialogs(household: Household, rng: random.Random, own_questions: tuple[
         if rng.random() < 0.5:
             dialog(p, [greeting(p, rng), *pick(own_turns(h, p), rng.randint(0, 1))])
     graph = _graph_turns(h)
-    for _ in range(2):
+    for _ in range(graph_dialogs):
         turns = pick(graph, rng.randint(1, 2))
         if turns:
             dialog(h.main, ([greeting(h.main, rng)] if rng.random() < 0.5 else []) + turns)
     if rng.random() < 0.6:
         dialog(h.main, [_general(rng) for _ in range(rng.randint(1, 2))])
     if rng.random() < return_visit:  # drawn last, so the dialogs above are those template:v1 wrote
-        dialog(h.main, [greeting(h.main, rng), *pick(own_turns(h, h.main), rng.randint(0, 1))])
+        visit = [greeting(h.main, rng), *pick(own_turns(h, h.main), rng.randint(0, 1))]
+        if visit_asks > 0 and rng.random() < visit_asks and graph:  # no draw at 0: template:v2's visits stay
+            visit.append(rng.choice(graph))
+        dialog(h.main, visit)
     return out
 
 
 def make_corpus(n: int, split: Split, seed: int, own_questions: tuple[int, int] = OWN_QUESTIONS,
-                return_visit: float = RETURN_VISIT, relation_words: Split | None = None
+                return_visit: float = RETURN_VISIT, relation_words: Split | None = None,
+                graph_dialogs: int = GRAPH_DIALOGS, visit_asks: float = 0.0
                 ) -> tuple[list[Household], list[Dialog]]:
     """`n` households of `split` and all their dialogs (each household's dialogs from its own RNG;
-    `return_visit` 0: the dialogs template:v1 wrote; `relation_words`: `make_household`)."""
+    `return_visit` 0: the dialogs template:v1 wrote; `relation_words`: `make_household`; `graph_dialogs`,
+    `visit_asks`: `make_dialogs`)."""
     if not 0 <= own_questions[0] <= own_questions[1]:
         raise ValueError(f"own_questions must be 0 <= min <= max, got {own_questions}")
+    if graph_dialogs < 0 or not 0.0 <= visit_asks <= 1.0:
+        raise ValueError(f"graph_dialogs must be >= 0 and visit_asks in [0, 1], got {graph_dialogs}, {visit_asks}")
     households = make_households(n, split, seed, relation_words)
     dialogs = [d for i, h in enumerate(households)
                for d in make_dialogs(h, random.Random(f"egomem-dialogs/{split}/{seed}/{i}"), own_questions,
-                                     return_visit)]
+                                     return_visit, graph_dialogs, visit_asks)]
     return households, dialogs

@@ -90,6 +90,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="weight of an auxiliary loss (training only): on every step of user speech, is this "
                         "another user than the one who spoke before? (a second head; not in the checkpoint; "
                         "0 turns it off)")
+    p.add_argument("--activity-weight", type=float, default=0.0,
+                   help="weight of an auxiliary loss (training only): on every step, is a user speaking on the "
+                        "listen row? A dense signal for where speech starts under noise, where the label loss "
+                        "has one start step per session (a third head; not in the checkpoint; 0 turns it off)")
     p.add_argument("--drop-track-p", type=float, default=0.05,
                    help="a trigger reading the voice track (trigger.voice_dim > 0): share of training streams whose "
                         "whole track is withheld, so it still labels chunks recorded without a speaker encoder")
@@ -199,7 +203,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         seed: int, ckpt: Path | None = None, ckpt_every: int = 100, resume: bool = True,
         stop_after: int | None = None, progress: bool = True, max_stream_steps: int | None = None,
         long_p: float = 0.0, voice_change_weight: float = 0.0, drop_track_p: float = 0.0,
-        drop_poll_p: float = 0.0, code_aug_p: float = 0.0, pool: list[SynthStream] | None = None) -> list[float]:
+        drop_poll_p: float = 0.0, code_aug_p: float = 0.0, pool: list[SynthStream] | None = None,
+        activity_weight: float = 0.0) -> list[float]:
     """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
 
     A share `long_p` of the steps trains on ONE stream of 1024..`max_stream_steps` steps instead of
@@ -209,6 +214,9 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     speech to say whether this is another user than the previous speech run's (`voice_change_targets`):
     a dense signal for what a user switch after a short pause hangs on, the voice. The head is part of
     the resumable state, not of the model (the shipped checkpoint and its serving are unchanged).
+    `activity_weight` > 0 adds a third such head, trained on every step to say whether a user is speaking
+    on the listen row (`SynthStream.speaker` >= 0): where the label loss sees one start step per session,
+    this sees every step of speech and of the noise around it.
 
     A model with `voice_dim` > 0 also reads each stream's voice track (`track_features`), the whole
     track dropped with `drop_track_p` and each poll with `drop_poll_p`, so it labels without one too.
@@ -225,7 +233,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     from tqdm import tqdm
 
     voice_head = torch.nn.Linear(model.cfg.dim, 2) if voice_change_weight > 0 else None
-    params = list(model.parameters()) + (list(voice_head.parameters()) if voice_head is not None else [])
+    activity_head = torch.nn.Linear(model.cfg.dim, 2) if activity_weight > 0 else None
+    params = [*model.parameters(), *(h for m in (voice_head, activity_head) if m is not None for h in m.parameters())]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -235,15 +244,18 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         made = (state["model_cfg"], state["seed"], state.get("total_steps"), state.get("voice_change_weight", 0.0),
                 state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0), state.get("code_aug_p", 0.0),
-                state.get("pool_streams", 0))
+                state.get("pool_streams", 0), state.get("activity_weight", 0.0))
         old_cfg = {**TriggerModelConfig().to_dict(), **made[0]}  # a state saved before a config field existed
         if (old_cfg, *made[1:]) != (model.cfg.to_dict(), seed, steps, voice_change_weight, drop_track_p, drop_poll_p,
-                                    code_aug_p, len(pool or [])):
+                                    code_aug_p, len(pool or []), activity_weight):
             raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight, "
-                             f"voice dropout, --code-aug-p or --listen-pool; pass --no-resume or another --ckpt-dir")
+                             f"voice dropout, --code-aug-p, --listen-pool or --activity-weight; pass --no-resume or "
+                             f"another --ckpt-dir")
         model.load_state_dict(state["model"])
         if voice_head is not None:
             voice_head.load_state_dict(state["voice_head"])
+        if activity_head is not None:
+            activity_head.load_state_dict(state["activity_head"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start, losses = state["step"], state["losses"]
@@ -281,6 +293,9 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
             if bool((change >= 0).any()):
                 loss = loss + voice_change_weight * F.cross_entropy(
                     voice_head(feats).reshape(-1, 2), change.reshape(-1), ignore_index=-1)
+        if activity_head is not None:
+            speaking = torch.from_numpy(np.stack([st.speaker >= 0 for st in streams]).astype(np.int64))  # B,T
+            loss = loss + activity_weight * F.cross_entropy(activity_head(feats).reshape(-1, 2), speaking.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -295,8 +310,9 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
                         "step": step + 1, "losses": losses, "model_cfg": model.cfg.to_dict(), "seed": seed,
                         "total_steps": steps, "voice_change_weight": voice_change_weight,
                         "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p, "code_aug_p": code_aug_p,
-                        "pool_streams": len(pool or []),
-                        "voice_head": voice_head.state_dict() if voice_head is not None else None}, tmp)
+                        "pool_streams": len(pool or []), "activity_weight": activity_weight,
+                        "voice_head": voice_head.state_dict() if voice_head is not None else None,
+                        "activity_head": activity_head.state_dict() if activity_head is not None else None}, tmp)
             tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
     model.eval()
     return losses
@@ -328,7 +344,8 @@ def train(args: argparse.Namespace) -> dict:
                  seed=args.seed, ckpt=ckpt, ckpt_every=args.ckpt_every, resume=not args.no_resume,
                  max_stream_steps=args.max_stream_steps, long_p=args.long_p,
                  voice_change_weight=args.voice_change_weight, drop_track_p=args.drop_track_p,
-                 drop_poll_p=args.drop_poll_p, code_aug_p=args.code_aug_p, pool=pool)
+                 drop_poll_p=args.drop_poll_p, code_aug_p=args.code_aug_p, pool=pool,
+                 activity_weight=args.activity_weight)
     train_s = time.time() - t0
     from egomem.trigger.codec import build_codec, codec_fingerprint
 
