@@ -62,13 +62,17 @@ def test_make_corpus_heldout_people_with_training_relation_words(tmp_path, monke
     assert all(s.meta["split"] == "heldout" for s in ds.samples)
 
 
+def _two_heldout_households(out, *flags: str) -> Dataset:
+    """A two-household held-out corpus without noised copies, built by the CLI with `flags`."""
+    assert main(["make-corpus", "--out", str(out), "--households", "2", "--split", "heldout", "--no-noised",
+                 "--seed", "3", *flags]) == 0
+    return Dataset(out)
+
+
 def test_make_corpus_lays_out_the_pauses_and_dialog_gaps_it_is_given(tmp_path, monkeypatch):
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
-    out = tmp_path / "patient"
-    assert main(["make-corpus", "--out", str(out), "--households", "2", "--split", "heldout", "--levels", "1",
-                 "--no-noised", "--seed", "3", "--own-questions", "2,2", "--pause", "40,50",
-                 "--dialog-gap", "90,95"]) == 0
-    ds = Dataset(out)
+    ds = _two_heldout_households(tmp_path / "patient", "--levels", "1", "--own-questions", "2,2", "--pause", "40,50",
+                                 "--dialog-gap", "90,95")
     assert ds.manifest["spec"]["pause"] == [40, 50] and ds.manifest["spec"]["dialog_gap"] == [90, 95]
     pauses, gaps = [], []
     for layout in ds.layouts:
@@ -84,11 +88,8 @@ def test_make_corpus_asks_in_the_return_visit_and_records_it(tmp_path, monkeypat
     """--visit-asks 1 --graph-dialogs 0: every Level-2 sample comes from a greeted return visit, and the
     manifest records both options."""
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
-    out = tmp_path / "visit"
-    assert main(["make-corpus", "--out", str(out), "--households", "2", "--split", "heldout", "--levels", "1,2",
-                 "--no-noised", "--seed", "3", "--return-visit", "1", "--graph-dialogs", "0",
-                 "--visit-asks", "1"]) == 0
-    ds = Dataset(out)
+    ds = _two_heldout_households(tmp_path / "visit", "--levels", "1,2", "--return-visit", "1", "--graph-dialogs", "0",
+                                 "--visit-asks", "1")
     assert ds.manifest["corpus_options"]["graph_dialogs"] == 0 and ds.manifest["corpus_options"]["visit_asks"] == 1.0
     level2 = [d for d in ds.dialogs if d.level == 2]
     assert len(level2) == 2 and all(d.turns[0].user == "" and d.turns[-1].query for d in level2)
