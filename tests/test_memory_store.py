@@ -19,7 +19,7 @@ from egomem.identity.identify import FACE_MODEL_IDS, VOICE_MODEL_IDS
 from egomem.memory.errors import StoreError, VersionConflict
 from egomem.memory.redact import MARKER, mentions, name_pattern, redact
 from egomem.memory.sqlite import SQLiteMemoryStore
-from egomem.memory.store import MemoryStore
+from egomem.memory.store import PROFILE_LINE_LABELS, MemoryStore
 from egomem.memory.types import ItemDecision, NewKey, PersonaUpdate, Provenance, SessionCommit
 
 PY = sys.executable
@@ -397,6 +397,7 @@ def test_profile_rendering_and_neighbour_memories(backend):
     assert lines[0] == "name: Ada" and "people: Bo (brother)" in lines and "fact: lives in Paris" in lines
     assert "likes: jazz" in lines and "dislikes: rain" in lines and "persona: Likes music" in lines
     assert "earlier: talked about a concert" in lines
+    assert {ln.split(": ", 1)[0] for ln in lines} == set(PROFILE_LINE_LABELS)  # what eval-dialog's read-out count reads
     short = s.render_profile(ada.user_id, max_chars=40)
     assert len(short) <= 40 and short.startswith("name: Ada")
     n = s.neighbour_memories(ada.user_id)

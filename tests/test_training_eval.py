@@ -154,6 +154,19 @@ def test_people_jsonl_is_checked_and_made_held_out(tmp_path):
 # ---------------------------------------------------------------------------- query words
 
 
+def test_a_reply_reading_its_memchunk_aloud_is_counted_and_a_reply_is_not():
+    from egomem.memory.store import PROFILE_LINE_LABELS
+    from egomem.training.judge import reads_memchunk
+
+    profile = "name: Ada\npeople: Bea (sister)\nfact: lives in Oslo\nlikes: jazz\nearlier: Talked about tea."
+    assert all(line.split(": ", 1)[0] in PROFILE_LINE_LABELS for line in profile.splitlines())
+    assert reads_memchunk("Hi Ada! fact: lives in Oslo fact: plays") and reads_memchunk("ner earlier: Talked")
+    assert reads_memchunk(profile.replace("\n", " "))
+    for reply in ("Hi Ada! How is life in Oslo?", "You live in Oslo.", "Your sister Bea likes jazz.",
+                  "What is my sister's name?", "Bea is your sister.", ""):
+        assert not reads_memchunk(reply)
+
+
 def test_query_scores():
     s = query_scores(RetrievalQuery(("sister",), ("play",)), Query(("Sister",), ("play ",)))
     assert (s.precision, s.recall, s.exact, s.found) == (1.0, 1.0, True, True)
@@ -327,7 +340,7 @@ def test_evaluate_scripted_model_every_figure_known(memory):
     by_person = r["l1"].pop("by_person")
     assert r["l1"] == {"fact_score": 1.0, "n": 3, "unjudged": 1, "greetings": {"fact_score": 1.0, "n": 2},
                        "answers": {"fact_score": 1.0, "n": 1}, "reference": {"fact_score": 1.0, "n": 3},
-                       "reachable": {"fact_score": 1.0, "n": 3}}
+                       "reachable": {"fact_score": 1.0, "n": 3}, "read_outs": {"share": 0.0, "n": 0}}
     assert_by_person_adds_up(r, by_person)
     assert r["l2"]["fact_score"] == 1.0 and r["l2"]["n"] == 1
     assert r["l2"]["query"] == {"precision": 1.0, "recall": 0.5, "exact": 0.0, "found": 1.0, "n": 1,

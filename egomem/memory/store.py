@@ -52,6 +52,8 @@ from egomem.memory.types import (
 from egomem.relations import inverse_relation
 
 MANUAL = Provenance(actor="api", origin="manual")  # default provenance of direct (REST / admin) edits
+# the labels `render_profile` opens its lines with (the Level-1 MemChunk text): "name: Ada", "fact: lives in Paris"
+PROFILE_LINE_LABELS = ("name", "people", "fact", "likes", "dislikes", "persona", "earlier")
 
 
 class MemoryStore(JobQueue, LLMCache):

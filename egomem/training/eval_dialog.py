@@ -272,7 +272,7 @@ def _print_row(entry: dict[str, Any], conditions: list[str]) -> None:
         spread = "" if "per_draw" not in r else " [draws " + " ".join(f(d["l1"]) for d in r["per_draw"]) + "]"
         print(f"{entry['name']:<28} {c:<6} L1 fact {f(r['l1']['fact_score'])}{spread} (n={r['l1']['n']}; reference "
               f"{f(r['l1']['reference']['fact_score'])}, on its {r['l1']['reachable']['n']}: "
-              f"{f(r['l1']['reachable']['fact_score'])})  L2 fact "
+              f"{f(r['l1']['reachable']['fact_score'])}; read-outs {r['l1'].get('read_outs', {}).get('n', '-')})  L2 fact "
               f"{f(r['l2']['fact_score'])} (n={r['l2']['n']})  query P {f(q['precision'])} R {f(q['recall'])} "
               f"EM {f(q['exact'])} (who {f(q.get('relations_exact'))}, what {f(q.get('keywords_exact'))})  "
               f"AQ {aq if isinstance(aq, str) else f(aq['mean'])}", flush=True)

@@ -41,7 +41,7 @@ from egomem.dialog.serving import DialogRequest, DialogResult, DialogStreamPool
 from egomem.dialog.tokenizer import TextTokenizer
 from egomem.retrieval.query import RetrievalQuery, parse_query
 
-from .judge import NOT_MEASURED, Judge, TurnCase, query_scores
+from .judge import NOT_MEASURED, Judge, TurnCase, query_scores, reads_memchunk
 from .streams import Stream, StreamLayout, dialog_persons
 from .types import Dialog, Query
 
@@ -255,6 +255,7 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
             rec: dict[str, Any] = {"stream": layout.stream, "dialog": d.index, "person": persons[n], "turn": u.turn,
                                    "level": turn.level, "greeting": not turn.user.strip(), "frames": [a, b], "reply": reply, "fact_score": v.fact_score,
                                    "answer_quality": v.answer_quality, "reason": v.reason,
+                                   "reads_memchunk": reads_memchunk(reply),
                                    "expected": {"names": list(turn.names), "facts": list(turn.facts)},
                                    "reference": {"reply": reference, "fact_score": ref.fact_score}}
             if turn.level == 2 and turn.query is not None:
@@ -297,6 +298,8 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     out["l1"].update({part: l1(greeting=g) for part, g in parts})
     out["l1"]["by_person"] = {who: {part: l1(person=who, greeting=g) for part, g in parts}
                               for who in ("first", "new", "same")}
+    read = [r["reads_memchunk"] for r in records if r["level"] == 1]
+    out["l1"]["read_outs"] = {"share": _mean([float(x) for x in read]), "n": sum(read)}  # `judge.reads_memchunk`
     qs = [r["query_scores"] for r in records if "query_scores" in r]
     out["l2"]["query"] = {"precision": _mean([q["precision"] for q in qs]), "recall": _mean([q["recall"] for q in qs]),
                           **{k: _mean([float(q[k]) for q in qs])

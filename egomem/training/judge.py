@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from egomem.memory.llm import LLMClient, LLMFailed, LLMNotConfigured
+from egomem.memory.store import PROFILE_LINE_LABELS
 from egomem.retrieval.query import RetrievalQuery
 
 from .types import Dialog, Household, Profile, Query, Turn
@@ -92,6 +93,16 @@ def norm(text: str) -> str:
 def contains(haystack: str, needle: str) -> bool:
     """`needle` occurs in `haystack` as whole tokens (both already `norm`ed); an empty needle never does."""
     return bool(needle) and f" {needle} " in f" {haystack} "
+
+
+_READ_OUT = re.compile(r"\b(?:" + "|".join(PROFILE_LINE_LABELS) + r"): ")
+
+
+def reads_memchunk(reply: str) -> bool:
+    """The reply says a Level-1 MemChunk line label ("fact: ", "likes: ", ... `PROFILE_LINE_LABELS`): the model
+    reading its profile aloud, which no corpus reply does (session 52: the query-stage models do it, mostly at a
+    returning person's greeting). Reported beside the Fact Score, which such a reply may still pass."""
+    return bool(_READ_OUT.search(reply))
 
 
 # ---------------------------------------------------------------------------- query words
