@@ -492,7 +492,8 @@ def test_evaluate_with_llm_judge_reports_answer_quality(memory, server, monkeypa
     assert r["l1"] == {"fact_score": 0.75, "n": 4, "unjudged": 0,  # the LLM grades "Fine." too (expects nothing)
                        "greetings": {"fact_score": 1.0, "n": 2}, "answers": {"fact_score": 0.5, "n": 2},
                        # the reference says what the model said: judged alike, from the cache (5 requests)
-                       "reference": {"fact_score": 0.75, "n": 4}, "reachable": {"fact_score": 1.0, "n": 3}}
+                       "reference": {"fact_score": 0.75, "n": 4}, "reachable": {"fact_score": 1.0, "n": 3},
+                       "read_outs": {"share": 0.0, "n": 0}}
     assert_by_person_adds_up(r, by_person)
     assert r["answer_quality"] == {"mean": (5 * 4 + 2) / 5, "n": 5}
 
