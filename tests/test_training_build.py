@@ -98,26 +98,21 @@ def test_make_corpus_asks_in_the_return_visit_and_records_it(tmp_path, monkeypat
 
 def test_make_corpus_refuses_llm_without_a_key_and_bad_levels(tmp_path, monkeypatch):
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
-    with pytest.raises(SystemExit, match="needs an \\[llm\\] endpoint with an API key"):
-        main(["make-corpus", "--out", str(tmp_path / "a"), "--generator", "llm"])
-    with pytest.raises(SystemExit, match="--levels takes 0, 1 and/or 2"):
-        main(["make-corpus", "--out", str(tmp_path / "b"), "--levels", "1,3"])
-    with pytest.raises(SystemExit, match="--own-questions takes min,max"):
-        main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "3"])
-    with pytest.raises(SystemExit, match="--own-questions needs 0 <= min <= max"):
-        main(["make-corpus", "--out", str(tmp_path / "c"), "--own-questions", "2,1"])
-    with pytest.raises(SystemExit, match="--return-visit is a probability"):
-        main(["make-corpus", "--out", str(tmp_path / "c"), "--return-visit", "1.5"])
-    with pytest.raises(SystemExit, match="--visit-asks is a probability"):
-        main(["make-corpus", "--out", str(tmp_path / "c"), "--visit-asks", "-0.1"])
-    with pytest.raises(SystemExit, match="--graph-dialogs takes a count"):
-        main(["make-corpus", "--out", str(tmp_path / "c"), "--graph-dialogs", "-1"])
-    with pytest.raises(SystemExit, match="--pause needs 0 <= min <= max"):
-        main(["make-corpus", "--out", str(tmp_path / "c"), "--pause", "9,3"])
-    with pytest.raises(SystemExit, match="--dialog-gap takes min,max"):
-        main(["make-corpus", "--out", str(tmp_path / "c"), "--dialog-gap", "long"])
-    with pytest.raises(SystemExit, match="--dialogs-per-stream takes min,max"):
-        main(["make-corpus", "--out", str(tmp_path / "c"), "--dialogs-per-stream", "two"])
+    refused = [  # (folder, flags, what the error says)
+        ("a", ["--generator", "llm"], "needs an \\[llm\\] endpoint with an API key"),
+        ("b", ["--levels", "1,3"], "--levels takes 0, 1 and/or 2"),
+        ("c", ["--own-questions", "3"], "--own-questions takes min,max"),
+        ("c", ["--own-questions", "2,1"], "--own-questions needs 0 <= min <= max"),
+        ("c", ["--return-visit", "1.5"], "--return-visit is a probability"),
+        ("c", ["--visit-asks", "-0.1"], "--visit-asks is a probability"),
+        ("c", ["--graph-dialogs", "-1"], "--graph-dialogs takes a count"),
+        ("c", ["--pause", "9,3"], "--pause needs 0 <= min <= max"),
+        ("c", ["--dialog-gap", "long"], "--dialog-gap takes min,max"),
+        ("c", ["--dialogs-per-stream", "two"], "--dialogs-per-stream takes min,max"),
+    ]
+    for folder, flags, says in refused:
+        with pytest.raises(SystemExit, match=says):
+            main(["make-corpus", "--out", str(tmp_path / folder), *flags])
     monkeypatch.setenv("DEEPSEEK_API_KEY", "sk-test")  # an endpoint with a key: the LLM writes the dialogs
     with pytest.raises(SystemExit, match="--relation-words train needs the template generator"):
         main(["make-corpus", "--out", str(tmp_path / "d"), "--relation-words", "train"])

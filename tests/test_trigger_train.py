@@ -90,45 +90,27 @@ def test_voice_change_targets_mark_each_speech_run_against_the_one_before():
     assert (voice_change_targets(np.full(5, -1)) == -1).all()
 
 
-def test_voice_change_loss_trains_and_resumes_to_the_same_weights(cache, tmp_path):
-    """The auxiliary voice-change head: it adds to the loss on the same first batch, an interrupted run
-    resumes (head included) to the weights of an uninterrupted one, and a resume with another weight is refused."""
+@pytest.mark.parametrize("weight, head, flag", [("voice_change_weight", "voice_head", "voice-change-weight"),
+                                                ("activity_weight", "activity_head", "activity-weight")])
+def test_an_auxiliary_loss_trains_and_resumes_to_the_same_weights(cache, tmp_path, weight, head, flag):
+    """Each auxiliary head (voice change: is this another user than before?; activity: is a user speaking on the
+    listen row?): it adds to the loss on the same first batch, an interrupted run resumes (head included) to the
+    losses and weights of an uninterrupted one, and a resume with another weight is refused."""
     torch.set_num_threads(1)
-    kw = dict(steps=6, batch=2, stream_steps=512, lr=3e-3, seed=1, progress=False, voice_change_weight=0.5)
+    kw = dict(steps=6, batch=2, stream_steps=512, lr=3e-3, seed=1, progress=False, **{weight: 0.5})
     straight = make_model(TINY, seed=1)
-    plain = make_model(TINY, seed=1)
     losses = fit(straight, cache, **kw)
-    plain_losses = fit(plain, cache, **(kw | {"voice_change_weight": 0.0}))
+    plain_losses = fit(make_model(TINY, seed=1), cache, **(kw | {weight: 0.0}))
     assert losses[0] > plain_losses[0]  # the first step's loss adds the head's own (same weights, same batch)
     ckpt = tmp_path / "ckpt" / "last.pt"
-    first = make_model(TINY, seed=1)
-    fit(first, cache, ckpt=ckpt, ckpt_every=2, stop_after=3, **kw)
-    assert torch.load(ckpt, weights_only=False)["voice_head"] is not None
-    resumed = make_model(TINY, seed=1)
-    assert len(fit(resumed, cache, ckpt=ckpt, **kw)) == 6
-    for k, v in straight.state_dict().items():
-        torch.testing.assert_close(resumed.state_dict()[k], v)
-    with pytest.raises(SystemExit, match="voice-change-weight"):
-        fit(make_model(TINY, seed=1), cache, ckpt=ckpt, **(kw | {"voice_change_weight": 1.0}))
-
-
-def test_activity_loss_trains_and_resumes_to_the_same_weights(cache, tmp_path):
-    """The auxiliary speech-activity head (is a user speaking on the listen row at this step?): it adds to the
-    loss on the same first batch, its state resumes with the run, and a resume with another weight is refused."""
-    torch.set_num_threads(1)
-    kw = dict(steps=6, batch=2, stream_steps=512, lr=3e-3, seed=1, progress=False, activity_weight=0.5)
-    straight = make_model(TINY, seed=1)
-    losses = fit(straight, cache, **kw)
-    assert losses[0] > fit(make_model(TINY, seed=1), cache, **(kw | {"activity_weight": 0.0}))[0]
-    ckpt = tmp_path / "ckpt" / "last.pt"
     fit(make_model(TINY, seed=1), cache, ckpt=ckpt, ckpt_every=2, stop_after=3, **kw)
-    assert torch.load(ckpt, weights_only=False)["activity_head"] is not None
+    assert torch.load(ckpt, weights_only=False)[head] is not None
     resumed = make_model(TINY, seed=1)
     assert fit(resumed, cache, ckpt=ckpt, **kw) == losses
     for k, v in straight.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[k], v)
-    with pytest.raises(SystemExit, match="activity-weight"):
-        fit(make_model(TINY, seed=1), cache, ckpt=ckpt, **(kw | {"activity_weight": 0.0}))
+    with pytest.raises(SystemExit, match=flag):
+        fit(make_model(TINY, seed=1), cache, ckpt=ckpt, **(kw | {weight: 1.0}))
 
 
 def test_a_trigger_reading_the_voice_track_trains_with_dropout_and_resumes_to_the_same_weights(cache, tmp_path):

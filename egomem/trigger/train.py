@@ -234,7 +234,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
 
     voice_head = torch.nn.Linear(model.cfg.dim, 2) if voice_change_weight > 0 else None
     activity_head = torch.nn.Linear(model.cfg.dim, 2) if activity_weight > 0 else None
-    params = [*model.parameters(), *(h for m in (voice_head, activity_head) if m is not None for h in m.parameters())]
+    heads = {"voice_head": voice_head, "activity_head": activity_head}  # training-only, saved in the state by name
+    params = [*model.parameters(), *(p for h in heads.values() if h is not None for p in h.parameters())]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -252,10 +253,9 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
                              f"voice dropout, --code-aug-p, --listen-pool or --activity-weight; pass --no-resume or "
                              f"another --ckpt-dir")
         model.load_state_dict(state["model"])
-        if voice_head is not None:
-            voice_head.load_state_dict(state["voice_head"])
-        if activity_head is not None:
-            activity_head.load_state_dict(state["activity_head"])
+        for name, h in heads.items():
+            if h is not None:
+                h.load_state_dict(state[name])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start, losses = state["step"], state["losses"]
@@ -311,8 +311,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
                         "total_steps": steps, "voice_change_weight": voice_change_weight,
                         "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p, "code_aug_p": code_aug_p,
                         "pool_streams": len(pool or []), "activity_weight": activity_weight,
-                        "voice_head": voice_head.state_dict() if voice_head is not None else None,
-                        "activity_head": activity_head.state_dict() if activity_head is not None else None}, tmp)
+                        **{name: h.state_dict() if h is not None else None for name, h in heads.items()}}, tmp)
             tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
     model.eval()
     return losses
