@@ -90,7 +90,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def run_model(name: str, weights: str | None, runs: int, start_temperature: float | None) -> dict[str, Any]:
+def run_model(name: str, weights: str | None, runs: int, start_temperature: float | None,
+              start_floor: float | None = None) -> dict[str, Any]:
     from egomem.stack import Stack
 
     scored = []
@@ -101,6 +102,8 @@ def run_model(name: str, weights: str | None, runs: int, start_temperature: floa
                 over["dialog"] |= {"weights": weights, "new_person": "restart"}
             if start_temperature is not None:
                 over["dialog"]["start_temperature"] = start_temperature
+            if start_floor is not None:
+                over["dialog"]["start_floor"] = start_floor
             cfg = scenario_config(with_overrides(load_config(), over, source="bench_demo"), Path(tmp))
             with Stack(cfg) as stack:
                 result = asyncio.run(run_scenario(stack.url, stack.tokens["stream"], stack.tokens["admin"],
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a dialog model to serve (repeatable); none: the configured one (the shipped model)")
     p.add_argument("--runs", type=int, default=3, help="scenarios per model")
     p.add_argument("--start-temperature", type=float, help="dialog.start_temperature (default: the configured)")
+    p.add_argument("--start-floor", type=float, help="dialog.start_floor (default: the configured)")
     p.add_argument("--out", type=Path, default=Path("bench/results/bench_demo.json"))
     a = p.parse_args(argv)
     if a.runs < 1:
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         if w and not Path(w).is_file():
             p.error(f"no dialog weights at {w}")
     report = {"runs": a.runs, "question": QUESTION, "start_temperature": a.start_temperature,
-              "models": [run_model(n, w, a.runs, a.start_temperature) for n, w in models]}
+              "start_floor": a.start_floor,
+              "models": [run_model(n, w, a.runs, a.start_temperature, a.start_floor) for n, w in models]}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1, default=str))
     plot(report, a.out.with_suffix(".png"))

@@ -75,8 +75,10 @@ def variants() -> dict[str, tuple[np.ndarray, int]]:
     }
 
 
-def run_model(weights: str, draws: int, codes: dict[str, tuple[torch.Tensor, int]]) -> dict[str, Any]:
-    engine, tok = build_engine(DialogConfig(weights=Path(weights), max_streams=draws, start_temperature=1.0))
+def run_model(weights: str, draws: int, codes: dict[str, tuple[torch.Tensor, int]],
+              start_floor: float = 0.0) -> dict[str, Any]:
+    engine, tok = build_engine(DialogConfig(weights=Path(weights), max_streams=draws, start_temperature=1.0,
+                                            start_floor=start_floor))
     profile = tok.encode(PROFILE)
     out: dict[str, Any] = {}
     for name, (c, at) in codes.items():
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("weights", nargs="+", help="dialog model files")
     p.add_argument("--draws", type=int, default=8, help="slots per variant (turn-start draw seeds 0..N-1)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--start-floor", type=float, default=0.0, help="dialog.start_floor (turn starts at T = 1)")
     p.add_argument("--out", type=Path, default=Path("bench/results/diag_demo_layout.json"))
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         pcm = pcm[: len(pcm) // FRAME * FRAME]
         with torch.no_grad():
             codes[name] = (codec.encode(torch.from_numpy(pcm)[None, None])[0], at)  # [8, T]
-    report = {"question": QUESTION, "draws": a.draws, "models": {w: run_model(w, a.draws, codes) for w in a.weights}}
+    report = {"question": QUESTION, "draws": a.draws, "start_floor": a.start_floor,
+              "models": {w: run_model(w, a.draws, codes, a.start_floor) for w in a.weights}}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {a.out}")

@@ -105,6 +105,9 @@ class DialogConfig:
     # moment is uncertain, which greedy and low temperatures all but never take (docs/training.md#when-to-speak).
     # "auto": what the checkpoint's metadata says it was evaluated with (the shipped model: 1.0), else None
     start_temperature: float | Literal["auto"] | None = "auto"
+    # With start_temperature: a start whose chance is below this floor is not taken (0: every start may be).
+    # Over a long silence small odds add up to a turn the model did not pick, opened on whatever byte ranks first
+    start_floor: float = 0.0
     # When a different person is recognised: "swap" their profile into L1 and go on with the conversation
     # (the paper); "restart" the stream with it, a fresh conversation (for a model fine-tuned with
     # `egomem finetune --context dialog`: docs/training.md#a-new-person); "auto": "restart" for a checkpoint
@@ -521,6 +524,8 @@ def validate(cfg: Config, source: str = "config") -> None:
              + (f" x {replicas} Triton replicas" if replicas > 1 else "") + ": the orchestrator would admit chats "
              "the model has no slot for; lower the first or raise the second")
     d, i, r, t, m = cfg.dialog, cfg.identity, cfg.retrieval, cfg.trigger, cfg.memory
+    need(0 <= d.start_floor < 1, f"dialog.start_floor = {d.start_floor} must be in [0, 1): a chance below which a "
+         "silent channel does not start")
     context = DIALOG_PRESET_CONTEXT[d.preset]
     if d.ring_steps == 0:
         need(d.l1_steps + d.l2_steps < context,

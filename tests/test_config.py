@@ -41,6 +41,7 @@ def test_defaults_pass_validation():
     ({"memory": {"forget_prepare_timeout_s": 600.0}}, ("memory.forget_prepare_timeout_s", "memory.forget_prepare_ttl_s")),
     ({"mimi": {"max_streams": 0}}, ("mimi.max_streams",)),
     ({"dialog": {"start_temperature": -0.5}}, ("dialog.start_temperature",)),
+    ({"dialog": {"start_floor": 1.0}}, ("dialog.start_floor",)),
     ({"trigger": {"boundary_window_steps": -1}}, ("trigger.boundary_window_steps",)),
     ({"orchestrator": {"max_streams": 20}}, ("orchestrator.max_streams", "dialog.max_streams")),
     ({"mimi": {"max_streams": 4}}, ("orchestrator.max_streams", "mimi.max_streams")),

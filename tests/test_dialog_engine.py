@@ -308,6 +308,22 @@ def test_start_temperature_keeps_the_odds_of_starting_and_sharpens_the_word():
     assert (sample_text(logits, pad, 0.0, 25, start_temperature=0.0) == 10).all()
 
 
+def test_start_floor_drops_the_unlikely_starts_and_keeps_the_likely_ones_odds():
+    """start_floor: a silent channel whose chance to start is below the floor waits; above it, the draw at the
+    start temperature is unchanged (the same uniforms start the same rows). A mid-reply channel is untouched."""
+    u = stream_uniform(torch.full((4000,), 3), torch.arange(4000))[:, None, None]
+    rare, pad = _wait_or_word(0.96, (0.04,), n=4000)  # 4 % a tick: over 50 silent ticks, 87 % open a turn
+    assert abs((sample_text(rare, pad, 0.0, 25, 1.0, uniform=u) != pad).float().mean() - 0.04) < 0.01
+    assert (sample_text(rare, pad, 0.0, 25, 1.0, uniform=u, start_floor=0.05) == pad).all()
+    likely, pad = _wait_or_word(0.7, (0.3,), n=4000)
+    plain = sample_text(likely, pad, 0.0, 25, 1.0, uniform=u)
+    assert abs((plain != pad).float().mean() - 0.3) < 0.03
+    assert (sample_text(likely, pad, 0.0, 25, 1.0, uniform=u, start_floor=0.05) == plain).all()
+    mid_reply = torch.zeros(4000, 1, 1, dtype=torch.bool)  # no channel silent: the one greedy draw (the pad)
+    rare_word, _ = _wait_or_word(0.4, (0.6,), n=4000)
+    assert (sample_text(rare_word, pad, 0.0, 25, 1.0, mid_reply, u, start_floor=0.9) == 10).all()
+
+
 def test_stream_uniform_draws_are_uniform_and_a_function_of_seed_and_step_only():
     steps = torch.arange(20000)
     u = stream_uniform(torch.full_like(steps, 7), steps)
@@ -347,6 +363,13 @@ def test_engine_draws_turn_starts_only_while_silent():
     assert len(started) >= 10 and all((t == pad) == (i % 2 == 1) for i, t in enumerate(started))
     with pytest.raises(ValueError, match="start_temperature"):
         DialogEngine(lm, max_streams=1, l1_steps=8, l2_steps=4, ring_steps=16, start_temperature=-1.0)
+    # a floor above the 0.55 chance to start: the channel never opens; below it: the same alternation
+    eng = DialogEngine(lm, max_streams=1, l1_steps=8, l2_steps=4, ring_steps=16, start_temperature=0.0,
+                       start_floor=0.6)
+    s, codes = eng.open(), _codes(2, 16)
+    assert {int(eng.step([s], codes[t:t + 1])[0][0]) for t in range(16)} <= {pad, lm.ungenerated_token_id}
+    with pytest.raises(ValueError, match="start_floor"):
+        DialogEngine(lm, max_streams=1, l1_steps=8, l2_steps=4, ring_steps=16, start_floor=1.0)
 
 
 def test_engine_refuses_non_rope_model():

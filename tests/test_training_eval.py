@@ -519,7 +519,7 @@ def test_run_eval_on_a_dataset_folder(tmp_path, monkeypatch):
     assert report["streams"] == 1 and report["conditions"] == ["clean"] and report["judge"] == "rules"
     assert report["temperature"] == 0.5 == model["clean"]["temperature"] == empty["clean"]["temperature"]
     # the model under test is the shipped one (dialog.weights unset): its own serving settings ("auto")
-    assert (report["start_temperature"], report["new_person"]) == (1.0, "restart")
+    assert (report["start_temperature"], report["new_person"], report["start_floor"]) == (1.0, "restart", 0.0)
     assert empty["clean"]["writes"]["l1_writes"] == 0 and model["clean"]["writes"]["l1_writes"] == 2
     assert model["clean"]["l1"]["n"] == 2 and model["clean"]["l2"]["n"] == 1 and "fps" not in empty
     fps = model["fps"]["engine"]
@@ -530,6 +530,7 @@ def test_run_eval_on_a_dataset_folder(tmp_path, monkeypatch):
     assert run_eval(p.parse_args(["--data", data, "--peer", "nope", "--out", str(out)])) == 2
     assert run_eval(p.parse_args(["--data", data, "--temperature", "-1", "--out", str(out)])) == 2
     assert run_eval(p.parse_args(["--data", data, "--start-temperature", "-1", "--out", str(out)])) == 2
+    assert run_eval(p.parse_args(["--data", data, "--start-floor", "1", "--out", str(out)])) == 2
     assert run_eval(p.parse_args(["--data", data, "--draws", "3", "--start-temperature", "0",
                                   "--out", str(out)])) == 2  # greedy: the same each draw
 

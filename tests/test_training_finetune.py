@@ -28,6 +28,7 @@ from egomem.training.finetune import (
     lr_factor,
     pick_eval_samples,
     run_finetune,
+    sample_pool,
     train,
 )
 from egomem.training.forward import forward, masked_loss, turn_heads
@@ -195,6 +196,28 @@ def test_sample_order_is_seeded_epochwise_and_resumable():
     c.load_state_dict(b.state_dict())
     assert c.take(6) == first[4:] == b.take(6)
     assert SampleOrder(5, seed=4).take(5) != first[:5]
+
+
+def test_same_person_repeat_draws_the_greetings_after_a_silence_more_often():
+    """sample_pool: a Level-1 sample of a dialog whose stream's dialog before is the same person's (its
+    conversation start is the one before's) comes K times an epoch; the first person's, a new person's and
+    the Level-2 samples once; K = 1 is the plain order."""
+
+    class Laid:
+        samples = [dataclasses.replace(_sample(0, "Ada")[0], stream=st, dialog=n, kind=kind)
+                   for st, n, kind in (("a", 0, "l1_response"), ("a", 1, "l1_response"), ("a", 2, "l1_response"),
+                                       ("a", 2, "l2_query"), ("b", 1, "l1_response"), ("b-noised", 1, "l1_response"))]
+
+        def conversation_starts(self, stream_id: str) -> list[int]:  # a: first, new at 40, same; b: same
+            return {"a": [0, 40, 40], "b": [0, 0], "b-noised": [0, 0]}[stream_id]
+
+    assert sample_pool(Laid(), 1) == [0, 1, 2, 3, 4, 5]
+    assert sample_pool(Laid(), 3) == [0, 1, 2, 3, 4, 5, 2, 2, 4, 4, 5, 5]
+
+
+def test_same_person_repeat_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="same_person_repeat must be >= 1"):
+        finetune(_cfg(tmp_path, "bad", same_person_repeat=0), _data(), progress=False)
 
 
 def test_eval_samples_are_of_the_trained_kinds_seeded():

@@ -23,6 +23,7 @@ tokens and step count (tests/test_dialog_engine.py).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -81,7 +82,7 @@ def stream_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
                 start_temperature: float | None = None, silent: torch.Tensor | None = None,
-                uniform: torch.Tensor | None = None) -> torch.Tensor:
+                uniform: torch.Tensor | None = None, start_floor: float = 0.0) -> torch.Tensor:
     """The text token from `logits` [..., card]: greedy at temperature 0, else top-k sampling at `temperature`.
 
     With `start_temperature`, a silent channel (`silent` [...]: its last token the pad; None: every row) draws
@@ -91,7 +92,10 @@ def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
     chance to start becomes about 1 %; greedy never opens a turn whose moment is uncertain), while the words
     want a low one; a channel mid-reply keeps the one draw, so the replies are not broken by pads
     (docs/training.md#when-to-speak). `uniform` (shaped like `logits` without its last dim): the wait
-    draw's uniforms (`stream_uniform`); None: the process's generator."""
+    draw's uniforms (`stream_uniform`); None: the process's generator. `start_floor`: a start whose chance is
+    below it is not taken (epsilon sampling on the turn start): over a long silence the model's small odds of
+    opening add up to a turn opened at a moment the model itself did not pick, whose first word is whatever
+    byte ranks first there, e.g. the middle of a MemChunk line it then reads out (docs/training.md#when-to-speak)."""
     if start_temperature is None:
         return draw_token(logits, temperature, top_k)
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -102,6 +106,8 @@ def sample_text(logits: torch.Tensor, pad: int, temperature: float, top_k: int,
     else:
         u = torch.rand_like(log_wait) if uniform is None else uniform.to(log_wait.dtype)
         wait = u < torch.sigmoid((log_wait - log_start) / start_temperature)
+    if start_floor > 0:
+        wait = wait | (log_start < math.log(start_floor))
     words = logits.clone()
     words[..., pad] = float("-inf")
     two_step = torch.where(wait, pad, draw_token(words, temperature, top_k))
@@ -116,7 +122,7 @@ class DialogEngine:
                  dtype: torch.dtype | None = None, kernels: Impl = "auto", top_k_text: int = 25,
                  top_k_audio: int = 250, chunk_audio_token: int | None = None, cuda_graphs: bool = True,
                  fixed_shape_tick: bool | None = None, kv_dtype: torch.dtype | None = None,
-                 start_temperature: float | None = None):
+                 start_temperature: float | None = None, start_floor: float = 0.0):
         tr = lm.transformer
         if tr.positional_embedding not in ("rope", "rope_concat"):
             raise ValueError(f"DialogEngine needs a RoPE LMModel; this one uses {tr.positional_embedding!r}")
@@ -139,6 +145,9 @@ class DialogEngine:
         if start_temperature is not None and not start_temperature >= 0:
             raise ValueError(f"start_temperature must be >= 0 or None, got {start_temperature}")
         self.start_temperature = start_temperature
+        if not 0.0 <= start_floor < 1.0:
+            raise ValueError(f"start_floor must be in [0, 1), got {start_floor}")
+        self.start_floor = float(start_floor)
         self.top_k_text, self.top_k_audio = top_k_text, top_k_audio
         # training layout: ring + chunk = the model's trained context, when it has one
         if ring_steps is None:
@@ -431,7 +440,7 @@ class DialogEngine:
         silent = (last == self.lm.text_padding_token_id) | (last == self.lm.text_initial_token_id)
         uniform = stream_uniform(self.seeds[rows], offsets)[:, None, None]  # [B, 1, 1]
         return sample_text(logits, self.lm.text_padding_token_id, self.temperature, self.top_k_text,
-                           self.start_temperature, silent[:, None, None], uniform)
+                           self.start_temperature, silent[:, None, None], uniform, self.start_floor)
 
     def _sample(self, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         return draw_token(logits, self.temperature, top_k)

@@ -62,7 +62,7 @@ def build_engine(cfg: DialogConfig, device: str | None = None) -> tuple[DialogEn
                          f"is {lm.text_card}: set dialog.tokenizer and dialog.preset to a matching pair")
     engine = DialogEngine(lm, cfg.max_streams, l1_steps=cfg.l1_steps, l2_steps=cfg.l2_steps,
                           ring_steps=cfg.ring_steps or None, temperature=cfg.temperature, kernels=cfg.kernels,
-                          start_temperature=settings.start_temperature,
+                          start_temperature=settings.start_temperature, start_floor=cfg.start_floor,
                           top_k_text=cfg.top_k_text, top_k_audio=cfg.top_k_audio, cuda_graphs=cfg.cuda_graphs,
                           kv_dtype=torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else None)
     return engine, tokenizer

@@ -47,6 +47,9 @@ def add_eval_args(p: Any) -> None:
       help="while the text channel is silent, draw whether it starts speaking at T, the word then at "
            "--temperature (default: dialog.start_temperature; its 'auto' = what the model under test records, the "
            "shipped model 1.0, else one draw; docs/training.md#when-to-speak)")
+    a("--start-floor", type=float, metavar="P",
+      help="with a start temperature: a turn start whose chance is below P is not taken (default: "
+           "dialog.start_floor; docs/training.md#when-to-speak)")
     a("--new-person", choices=["swap", "restart"],
       help="a new person's L1: swapped into the running conversation, or the stream restarted with it (default: "
            "dialog.new_person; its 'auto' = 'restart' for a model fine-tuned with --context dialog, else 'swap')")
@@ -183,6 +186,9 @@ def run_eval(args: Any) -> int:
         temperature = cfg.dialog.temperature if args.temperature is None else args.temperature
         if args.start_temperature is not None and not args.start_temperature >= 0:
             raise EvalError(f"--start-temperature must be >= 0, got {args.start_temperature}")
+        start_floor = cfg.dialog.start_floor if args.start_floor is None else args.start_floor
+        if not 0 <= start_floor < 1:
+            raise EvalError(f"--start-floor must be in [0, 1), got {start_floor}")
         # "auto" settings are read from the model under test, and every peer is decoded the same way
         settings = serving_settings(replace(cfg.dialog, weights=models[0][1], random_init=models[0][1] is None))
         start_temperature = settings.start_temperature if args.start_temperature is None else args.start_temperature
@@ -193,7 +199,7 @@ def run_eval(args: Any) -> int:
                             "--start-temperature above 0) and gives the same replies every draw")
         new_person = args.new_person or settings.new_person
         engine_cfg = replace(cfg.dialog, max_streams=args.batch, temperature=temperature,
-                             start_temperature=start_temperature)
+                             start_temperature=start_temperature, start_floor=start_floor)
         engines: dict[str, DialogEngine] = {}
         engines[str(models[0][1])], tokenizer = build_engine(replace(engine_cfg, weights=models[0][1],
                                                                      random_init=models[0][1] is None))
@@ -228,7 +234,7 @@ def run_eval(args: Any) -> int:
                     served.dialog = replace(cfg.dialog, weights=None if weights is None else Path(weights).resolve(),
                                             random_init=weights is None, new_person=new_person,
                                             max_streams=max(args.batch, cfg.dialog.max_streams), temperature=temperature,
-                                            start_temperature=start_temperature)
+                                            start_temperature=start_temperature, start_floor=start_floor)
                     http, grpc, metrics = free_ports(3)
                     served.server = replace(cfg.server, http_port=http, grpc_port=grpc, metrics_port=metrics,
                                             run_dir=args.out.parent.resolve() / "eval_triton")
@@ -245,7 +251,7 @@ def run_eval(args: Any) -> int:
             memory.close()
     report = {"judge": judge.name, "households": len(households), "dialogs": len(dialogs), "streams": len(streams),
               "conditions": conditions, "seed": args.seed, "draws": args.draws, "temperature": temperature,
-              "start_temperature": start_temperature, "reply_frames": args.reply_frames,
+              "start_temperature": start_temperature, "start_floor": start_floor, "reply_frames": args.reply_frames,
               "new_person": new_person,
               "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -310,6 +316,8 @@ def plot(report: dict[str, Any], path: Any) -> None:
     decoding = f"sampled at T={report['temperature']}" if report.get("temperature") else "greedy"
     if report.get("start_temperature") is not None:
         decoding += f", turn starts at T={report['start_temperature']}"
+        if report.get("start_floor"):
+            decoding += f" above {report['start_floor']}"
     fig.suptitle(f"eval-dialog ({report['judge']} judge, {report['streams']} held-out streams, {decoding})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -115,6 +115,10 @@ class TrainConfig:
     # per corpus row: its speak rows replaced by the codec's silence and its speak loss dropped, so what the model
     # hears and answers does not hang on its own speech being the corpus's (when served, it is the model's own)
     speak_dropout: float = 0.0
+    # each Level-1 sample of a dialog that follows one with the same person (a greeting after a silence, no L1
+    # refresh) comes this many times an epoch: the corpus holds few, and query-trained models read their
+    # MemChunk aloud there (docs/training.md, session 53)
+    same_person_repeat: int = 1
     ckpt_every: int = 100  # steps between resumable checkpoints (also written when a run stops)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     resume: bool = False  # continue the run in out/ckpt (refused otherwise when one exists)
@@ -200,10 +204,26 @@ def _check_config(cfg: TrainConfig) -> None:
                    f"{cfg.query_voices}, {cfg.query_templates})")
     if not 0 <= cfg.query_voices_per_question <= cfg.query_voices:
         bad.append(f"query_voices_per_question must be in [0, query_voices] (got {cfg.query_voices_per_question})")
+    if cfg.same_person_repeat < 1:
+        bad.append(f"same_person_repeat must be >= 1 (got {cfg.same_person_repeat})")
     if cfg.listen_voices < 0:
         bad.append(f"listen_voices must be >= 0 (got {cfg.listen_voices})")
     if bad:
         raise ValueError("bad fine-tuning config: " + "; ".join(bad))
+
+
+def sample_pool(data: DataSource, same_person_repeat: int) -> list[int]:
+    """Sample indices an epoch goes through: each once, but a Level-1 sample of a same-person dialog (the
+    stream's dialog before it is that person's: `streams.dialog_persons`) `same_person_repeat` times."""
+    pool = list(range(len(data.samples)))
+    if same_person_repeat == 1:
+        return pool
+    for i, s in enumerate(data.samples):
+        if s.kind == "l1_response" and s.dialog > 0:
+            starts = data.conversation_starts(s.stream)  # equal to the dialog before's: the same person again
+            if starts[s.dialog] == starts[s.dialog - 1]:
+                pool += [i] * (same_person_repeat - 1)
+    return pool
 
 
 def drill_mix(cfg: TrainConfig) -> DrillMix:
@@ -378,7 +398,8 @@ class _Trainer:
         warmup = max(1, round(0.05 * cfg.steps)) if cfg.warmup is None else cfg.warmup
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, cfg.steps, warmup, cfg.min_lr / cfg.lr))
-        self.order = SampleOrder(len(data.samples), cfg.seed)
+        self.pool = sample_pool(data, cfg.same_person_repeat)  # what the order permutes: sample indices
+        self.order = SampleOrder(len(self.pool), cfg.seed)
         self.step = 0
         self.fingerprint = data_fingerprint(data)
 
@@ -473,7 +494,7 @@ class _Trainer:
 
     def train_step(self) -> dict[str, float]:
         """One optimiser step on the next batch of the sample order."""
-        samples = [self.data.samples[i] for i in self.order.take(self.cfg.batch_size)]
+        samples = [self.data.samples[self.pool[j]] for j in self.order.take(self.cfg.batch_size)]
         lr = self.sched.get_last_lr()[0]
         loss, parts = self._loss(samples, self.data, training=True)
         loss.backward()
@@ -695,6 +716,9 @@ def add_finetune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speak-dropout", type=float, default=d.speak_dropout,
                    help="share of corpus rows whose speak rows are the codec's silence (text loss only), so the "
                         "model hears whatever it said itself")
+    p.add_argument("--same-person-repeat", type=int, default=d.same_person_repeat, metavar="K",
+                   help="draw each Level-1 sample of a dialog that follows the same person's K times an epoch "
+                        "(the greeting after a silence, with no L1 refresh; 1: once, as every sample)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters only (merged into lm.safetensors)")
     p.add_argument("--lora-scope", choices=["transformers", "all"], default=d.lora_scope)
     p.add_argument("--gradient-checkpointing", action="store_true")
