@@ -213,14 +213,15 @@ def _check_config(cfg: TrainConfig) -> None:
 
 
 def sample_pool(data: DataSource, same_person_repeat: int) -> list[int]:
-    """Sample indices an epoch goes through: each once, but a Level-1 sample of a same-person dialog (the
-    stream's dialog before it is that person's: `streams.dialog_persons`) `same_person_repeat` times."""
+    """Sample indices an epoch goes through: each once, but a Level-1 sample of a same-person dialog
+    `same_person_repeat` times. Same person (`streams.dialog_persons`' "same") is read off the conversation
+    starts: a dialog continues the one before's conversation exactly when its person is that one's."""
     pool = list(range(len(data.samples)))
     if same_person_repeat == 1:
         return pool
     for i, s in enumerate(data.samples):
         if s.kind == "l1_response" and s.dialog > 0:
-            starts = data.conversation_starts(s.stream)  # equal to the dialog before's: the same person again
+            starts = data.conversation_starts(s.stream)  # cached per stream by the dataset
             if starts[s.dialog] == starts[s.dialog - 1]:
                 pool += [i] * (same_person_repeat - 1)
     return pool
