@@ -181,6 +181,8 @@ def parity_part(out: Path, smoke: bool) -> dict:
 
     from egomem.dialog import DialogEngine
     from egomem.dialog.checkpoint import build_lm
+    from egomem.dialog.query_grammar import GrammarTokens
+    from egomem.dialog.tokenizer import ByteTokenizer
 
     dev = "cpu" if smoke else "cuda"
     lm_cpu = build_lm("tiny", seed=0)  # float32; the device copy has the same weights
@@ -237,15 +239,39 @@ def parity_part(out: Path, smoke: bool) -> dict:
             for x, y in zip(a[:2], b[:2]):
                 same += int((x.cpu() == y.cpu()).sum())
                 total += x.numel()
+        # the same with the query grammar: slot 1 put on the relation line every 24 ticks (the graph must
+        # read the grammar's tables and state, not a copy captured at the first replay)
+        grammar = GrammarTokens.from_tokenizer(ByteTokenizer())
+        relations = [ByteTokenizer().encode(r) for r in ("son", "son's teacher", "aunt")]
+        engines = []
+        for fixed_shape in (False, True):
+            eng = DialogEngine(lm_dev, max_streams=4, l1_steps=n1, l2_steps=n2, ring_steps=ring,
+                               fixed_shape_tick=fixed_shape, query_grammar=grammar)
+            for _ in range(3):
+                eng.open()
+            eng.set_query_relations(1, relations)
+            engines.append(eng)
+        g_same = g_total = g_states = 0
+        for t in range(steps * 3):
+            if t % 24 == 0:
+                for eng in engines:
+                    eng.grammar.state[1] = eng.grammar.H
+            slots = [0, 1] if t % 3 else [2, 1]
+            a, b = (eng.tick(slots, codes[t]) for eng in engines)
+            g_same += int((a[0].cpu() == b[0].cpu()).sum())
+            g_total += a[0].numel()
+            g_states += int(torch.equal(engines[0].grammar.state.cpu(), engines[1].grammar.state.cpu()))
     result = {
         "device": dev, "preset": "tiny", "dtype": "float32", "steps": steps,
         "vs_forward_max_abs": float((got - ref).abs().max()), "vs_cpu_max_abs": float((got - cpu).abs().max()),
         "logit_std": scale, "fixed_vs_narrow_token_agreement": same / total, "fixed_vs_narrow_tokens": total,
-        "tolerance_rel": 1e-3,
+        "tolerance_rel": 1e-3, "grammar_fixed_vs_narrow_text_agreement": g_same / g_total,
+        "grammar_states_equal_ticks": g_states, "grammar_ticks": steps * 3,
     }
     result["ok"] = (result["vs_forward_max_abs"] <= result["tolerance_rel"] * scale
                     and result["vs_cpu_max_abs"] <= result["tolerance_rel"] * scale
-                    and result["fixed_vs_narrow_token_agreement"] == 1.0)
+                    and result["fixed_vs_narrow_token_agreement"] == 1.0
+                    and result["grammar_fixed_vs_narrow_text_agreement"] == 1.0 and g_states == steps * 3)
     print(json.dumps(result, indent=1), flush=True)
     out.write_text(json.dumps(result, indent=1))
     return result

@@ -108,6 +108,9 @@ class DialogConfig:
     # With start_temperature: a start whose chance is below this floor is not taken (0: every start may be).
     # Over a long silence small odds add up to a turn the model did not pick, opened on whatever byte ranks first
     start_floor: float = 0.0
+    # A `<retr>` query's relation line drawn only among the relations the Level-1 profile names (structured
+    # output on the text channel; egomem/dialog/query_grammar.py). Keywords and replies stay free
+    query_grammar: bool = False
     # When a different person is recognised: "swap" their profile into L1 and go on with the conversation
     # (the paper); "restart" the stream with it, a fresh conversation (for a model fine-tuned with
     # `egomem finetune --context dialog`: docs/training.md#a-new-person); "auto": "restart" for a checkpoint

@@ -117,6 +117,8 @@ def check_dialog(cfg: Config) -> Iterable[Finding]:
     how = f"new person: {settings.new_person}, turn starts at T = {settings.start_temperature}"
     if cfg.dialog.start_floor and settings.start_temperature is not None:
         how += f" above a chance of {cfg.dialog.start_floor}"
+    if cfg.dialog.query_grammar:
+        how += ", query relations from the profile (query grammar)"
     if settings.weights is None:
         yield Finding("note", f"dialog: RANDOM-INITIALISED '{cfg.dialog.preset}' model: it writes random bytes "
                       f"and uses no memory ({how})",

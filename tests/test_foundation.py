@@ -117,10 +117,12 @@ def test_doctor_passes_on_this_install_and_says_which_codec_runs():
     assert "[ ok ] mimi: trained tiny codec" in text and "egomem train-codec --data" in text
     assert "[ ok ] dialog: shipped fine-tuned tiny model" in text and "new person: restart" in text
     assert "turn starts at T = 1.0" in text and "the configured Mimi is" not in text  # it learnt this codec
-    assert "above a chance" not in text
+    assert "above a chance" not in text and "query grammar" not in text
     lines.clear()
-    assert run_doctor(load_config(env={"EGOMEM__DIALOG__START_FLOOR": "0.05"}), out=lines.append) == 0
-    assert "turn starts at T = 1.0 above a chance of 0.05" in "\n".join(lines)
+    assert run_doctor(load_config(env={"EGOMEM__DIALOG__START_FLOOR": "0.05", "EGOMEM__DIALOG__QUERY_GRAMMAR": "true"}),
+                      out=lines.append) == 0
+    assert "turn starts at T = 1.0 above a chance of 0.05, query relations from the profile (query grammar)" in \
+        "\n".join(lines)
     cfg = load_config(env={})
     cfg.mimi.random_init = True
     cfg.dialog.random_init = True

@@ -510,12 +510,15 @@ def test_run_eval_on_a_dataset_folder(tmp_path, monkeypatch):
     write_dataset(tmp_path / "data", manifest, [HOME], DIALOGS, tokens, [], layouts)
     out = tmp_path / "report" / "eval.json"
     data = str(tmp_path / "data")
-    assert main(["--data", data, "--judge", "rules", "--peer-empty", "--conditions", "clean", "--limit-streams", "1",
-                 "--fps-ticks", "2", "--batch", "2", "--temperature", "0.5", "--out", str(out)]) == 0  # `egomem eval-dialog`
+    assert main(["--data", data, "--judge", "rules", "--peer-empty", "--peer-grammar", "--conditions", "clean",
+                 "--limit-streams", "1", "--fps-ticks", "2", "--batch", "2", "--temperature", "0.5",
+                 "--out", str(out)]) == 0  # `egomem eval-dialog`
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert [m["name"] for m in report["models"]] == ["model", "model (empty MemChunks)"]
-    model, empty = report["models"]
+    assert [m["name"] for m in report["models"]] == ["model", "model + query grammar", "model (empty MemChunks)"]
+    model, grammar, empty = report["models"]
+    assert (report["query_grammar"], model["query_grammar"], grammar["query_grammar"]) == (False, False, True)
+    assert grammar["clean"]["writes"]["l1_writes"] == 2 and grammar["clean"]["l1"]["n"] == 2
     assert report["streams"] == 1 and report["conditions"] == ["clean"] and report["judge"] == "rules"
     assert report["temperature"] == 0.5 == model["clean"]["temperature"] == empty["clean"]["temperature"]
     # the model under test is the shipped one (dialog.weights unset): its own serving settings ("auto")
@@ -531,6 +534,7 @@ def test_run_eval_on_a_dataset_folder(tmp_path, monkeypatch):
     assert run_eval(p.parse_args(["--data", data, "--temperature", "-1", "--out", str(out)])) == 2
     assert run_eval(p.parse_args(["--data", data, "--start-temperature", "-1", "--out", str(out)])) == 2
     assert run_eval(p.parse_args(["--data", data, "--start-floor", "1", "--out", str(out)])) == 2
+    assert run_eval(p.parse_args(["--data", data, "--query-grammar", "--peer-grammar", "--out", str(out)])) == 2
     assert run_eval(p.parse_args(["--data", data, "--draws", "3", "--start-temperature", "0",
                                   "--out", str(out)])) == 2  # greedy: the same each draw
 

@@ -14,6 +14,10 @@ for that slot (L1 together with L2 reset to pads; L2 attending the slot's L1). C
 their positions inside the chunk region and rotated on to the chunk's virtual positions at read time
 (docs/kv-cache.md#positions-rotate-on-read, kv_cache.py).
 
+With a query grammar (`query_grammar`, query_grammar.py) a slot's `<retr>` relation line is drawn among
+the relations its Level-1 profile names (`set_query_relations`): the text logits are masked and the grammar's
+state advanced inside the tick.
+
 Two ways to tick. `step(slots, ...)` runs only the named slots (the CPU path: cost follows the open
 streams). `step_all(listen_codes, exec_mask)` runs every slot with an exec mask, as moshi's LMGen does:
 fixed shapes, per-slot step counts and positions on the device, no host sync, so on CUDA the whole tick
@@ -35,6 +39,7 @@ from moshi.utils.sampling import sample_token
 from egomem.kernels import Impl, rope_rotate
 
 from .kv_cache import MemChunkKVCache
+from .query_grammar import GrammarTokens, QueryGrammar
 
 
 def memchunk_inputs(lm: LMModel, tokens: list[int] | torch.Tensor, steps: int, audio_token: int | None = None
@@ -122,7 +127,8 @@ class DialogEngine:
                  dtype: torch.dtype | None = None, kernels: Impl = "auto", top_k_text: int = 25,
                  top_k_audio: int = 250, chunk_audio_token: int | None = None, cuda_graphs: bool = True,
                  fixed_shape_tick: bool | None = None, kv_dtype: torch.dtype | None = None,
-                 start_temperature: float | None = None, start_floor: float = 0.0):
+                 start_temperature: float | None = None, start_floor: float = 0.0,
+                 query_grammar: GrammarTokens | None = None):
         tr = lm.transformer
         if tr.positional_embedding not in ("rope", "rope_concat"):
             raise ValueError(f"DialogEngine needs a RoPE LMModel; this one uses {tr.positional_embedding!r}")
@@ -177,6 +183,8 @@ class DialogEngine:
         # each slot's stream seed: its turn-start draws are stream_uniform(seed, step) (open(seed=...))
         self.seeds = torch.zeros(max_streams, device=self.device, dtype=torch.long)
         self.all_slots = torch.arange(max_streams, device=self.device)  # step_all's rows: every slot, fixed shape
+        # a query's relation line drawn among the relations the slot's L1 names (query_grammar.py); None: free
+        self.grammar = QueryGrammar(query_grammar, max_streams, self.device) if query_grammar is not None else None
         # tick() runs step_all (fixed shape) or step (only the named slots); default: fixed on CUDA
         self.fixed_shape_tick = self.device.type == "cuda" if fixed_shape_tick is None else fixed_shape_tick
         # step_all on CUDA: captured once in a CUDA graph, replayed every tick (moshi's CUDAGraphed, as LMGen)
@@ -203,8 +211,19 @@ class DialogEngine:
         if self.empty_chunks is not None:
             self.cache.write_chunk(slot, 0, *self.empty_chunks)
         self.tokens[slot] = self.lm.ungenerated_token_id
+        if self.grammar is not None:
+            self.grammar.relations(slot, [])
         self.active.add(slot)
         return slot
+
+    def set_query_relations(self, slot: int, relations: list[list[int]]) -> int:
+        """The relations (text token ids each) a query's relation line may name on `slot`, with the query
+        grammar on (`query_grammar`); returns how many fitted its table. The serving pool calls it with each
+        Level-1 write (`query_grammar.profile_relations`)."""
+        self._check_slot(slot)
+        if self.grammar is None:
+            raise ValueError("this engine has no query grammar: build it with query_grammar=GrammarTokens(...)")
+        return self.grammar.relations(slot, relations)
 
     def close(self, slot: int) -> None:
         self._check_slot(slot)
@@ -413,7 +432,11 @@ class DialogEngine:
             x = self._finish_layer(layer, x, attn.reshape(B, 1, -1))  # attn [B, H, D] -> [B, 1, C]
         out = lm.out_norm(x) if lm.out_norm else x  # [B, 1, C]; the tiny preset has no final norm (presets.py)
         text_logits = lm.text_linear(out)[:, None]  # [B, 1, 1, text_card]
+        if self.grammar is not None:
+            text_logits = self.grammar.mask(text_logits, rows)  # returned masked: what was drawn from
         text = self._sample_text(text_logits, inputs[:, 0, 0], rows, offsets)[:, 0, 0]  # [B]
+        if self.grammar is not None:
+            self.grammar.advance(rows, text, lm.text_padding_token_id, exec_mask)
         audio = self._depformer(text, out)  # [B, dep_q]
         self.cache.advance(rows, exec_mask)
 

@@ -22,6 +22,7 @@ from egomem.serving.wire import RowError
 from .card import serving_settings
 from .checkpoint import DTYPES, build_lm
 from .engine import DialogEngine, NoFreeSlotError
+from .query_grammar import GrammarTokens, profile_relations
 from .tokenizer import TextTokenizer, load_tokenizer
 
 
@@ -64,7 +65,8 @@ def build_engine(cfg: DialogConfig, device: str | None = None) -> tuple[DialogEn
                           ring_steps=cfg.ring_steps or None, temperature=cfg.temperature, kernels=cfg.kernels,
                           start_temperature=settings.start_temperature, start_floor=cfg.start_floor,
                           top_k_text=cfg.top_k_text, top_k_audio=cfg.top_k_audio, cuda_graphs=cfg.cuda_graphs,
-                          kv_dtype=torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else None)
+                          kv_dtype=torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else None,
+                          query_grammar=GrammarTokens.from_tokenizer(tokenizer) if cfg.query_grammar else None)
     return engine, tokenizer
 
 
@@ -141,6 +143,9 @@ class DialogStreamPool:
                     tokens = self._memchunk_tokens(r)
                     if tokens is not None:
                         self.engine.write_memchunk(self._slots[r.stream], r.memchunk_level, tokens)
+                        if r.memchunk_level == 1 and self.engine.grammar is not None:
+                            self.engine.set_query_relations(self._slots[r.stream], [
+                                self.tokenizer.encode(rel) for rel in profile_relations(self.tokenizer.decode(tokens))])
                 except (StreamError, ValueError, KeyError) as e:
                     results[i] = e if isinstance(e, StreamError) else StreamError(str(e))
             ok = [i for i, res in enumerate(results) if res is None]

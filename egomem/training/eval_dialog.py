@@ -50,6 +50,11 @@ def add_eval_args(p: Any) -> None:
     a("--start-floor", type=float, metavar="P",
       help="with a start temperature: a turn start whose chance is below P is not taken (default: "
            "dialog.start_floor; docs/training.md#when-to-speak)")
+    a("--query-grammar", action="store_true", default=None,
+      help="every model draws a query's relation line among the relations its Level-1 profile names (default: "
+           "dialog.query_grammar; docs/training.md#a-grammar-for-the-query)")
+    a("--peer-grammar", action="store_true",
+      help="also the model under test with the query grammar, in the same run (its free decoding beside it)")
     a("--new-person", choices=["swap", "restart"],
       help="a new person's L1: swapped into the running conversation, or the stream restarted with it (default: "
            "dialog.new_person; its 'auto' = 'restart' for a model fine-tuned with --context dialog, else 'swap')")
@@ -173,14 +178,20 @@ def run_eval(args: Any) -> int:
         if not conditions or set(conditions) - {"clean", "noised"}:
             raise EvalError(f"--conditions takes clean and/or noised, got {args.conditions!r}")
         # weights None: the preset's seeded random init (`--peer NAME=random`)
-        models = [(args.name, args.weights or dialog_weights(cfg.dialog), True)]
+        grammar = cfg.dialog.query_grammar if args.query_grammar is None else args.query_grammar
+        models = [(args.name, args.weights or dialog_weights(cfg.dialog), True, grammar)]
+        if args.peer_grammar:
+            if grammar:
+                raise EvalError("--peer-grammar adds the model under test with the query grammar; it already has it "
+                                "(--query-grammar or dialog.query_grammar): drop one")
+            models.append((f"{args.name} + query grammar", models[0][1], True, True))
         if args.peer_empty:
-            models.append((f"{args.name} (empty MemChunks)", models[0][1], False))
+            models.append((f"{args.name} (empty MemChunks)", models[0][1], False, grammar))
         for spec in args.peer:
             name, sep, w = spec.partition("=")
             if not (sep and name and w):
                 raise EvalError(f"--peer takes NAME=WEIGHTS (a safetensors file or 'random'), got {spec!r}")
-            models.append((name, None if w == "random" else w, True))
+            models.append((name, None if w == "random" else w, True, grammar))
         if args.temperature is not None and not args.temperature >= 0:
             raise EvalError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
         temperature = cfg.dialog.temperature if args.temperature is None else args.temperature
@@ -201,8 +212,8 @@ def run_eval(args: Any) -> int:
         engine_cfg = replace(cfg.dialog, max_streams=args.batch, temperature=temperature,
                              start_temperature=start_temperature, start_floor=start_floor)
         engines: dict[str, DialogEngine] = {}
-        engines[str(models[0][1])], tokenizer = build_engine(replace(engine_cfg, weights=models[0][1],
-                                                                     random_init=models[0][1] is None))
+        engines[f"{models[0][1]}:{grammar}"], tokenizer = build_engine(replace(
+            engine_cfg, weights=models[0][1], random_init=models[0][1] is None, query_grammar=grammar))
         households, dialogs, streams = _eval_set(args, cfg, tokenizer, "noised" in conditions)
         memory = MemoryTexts(households, l1_bytes=cfg.dialog.l1_steps, l2_bytes=cfg.dialog.l2_steps,
                              retrieval=cfg.retrieval)  # byte budgets: a step holds at least one byte
@@ -217,12 +228,13 @@ def run_eval(args: Any) -> int:
         l1_texts, l2_texts = [fit(t, n1) for t in l1_texts], [fit(t, n2) for t in l2_texts]
         l1_ids, l2_ids = [tokenizer.encode(t) for t in l1_texts], [tokenizer.encode(t) for t in l2_texts]
         results = []
-        for name, weights, use_memory in models:
-            key = str(weights)
+        for name, weights, use_memory, with_grammar in models:
+            key = f"{weights}:{with_grammar}"
             if key not in engines:
-                engines[key] = build_engine(replace(engine_cfg, weights=weights, random_init=weights is None))[0]
+                engines[key] = build_engine(replace(engine_cfg, weights=weights, random_init=weights is None,
+                                                    query_grammar=with_grammar))[0]
             entry: dict[str, Any] = {"name": name, "weights": None if weights is None else str(weights),
-                                     "memory": use_memory}
+                                     "memory": use_memory, "query_grammar": with_grammar}
             for c in conditions:
                 entry[c] = evaluate(engines[key], tokenizer, dialogs, streams, memory, judge, c == "noised", use_memory,
                                     reply_frames=args.reply_frames, max_query_chars=cfg.retrieval.max_query_chars,
@@ -234,7 +246,8 @@ def run_eval(args: Any) -> int:
                     served.dialog = replace(cfg.dialog, weights=None if weights is None else Path(weights).resolve(),
                                             random_init=weights is None, new_person=new_person,
                                             max_streams=max(args.batch, cfg.dialog.max_streams), temperature=temperature,
-                                            start_temperature=start_temperature, start_floor=start_floor)
+                                            start_temperature=start_temperature, start_floor=start_floor,
+                                            query_grammar=with_grammar)
                     http, grpc, metrics = free_ports(3)
                     served.server = replace(cfg.server, http_port=http, grpc_port=grpc, metrics_port=metrics,
                                             run_dir=args.out.parent.resolve() / "eval_triton")
@@ -252,7 +265,7 @@ def run_eval(args: Any) -> int:
     report = {"judge": judge.name, "households": len(households), "dialogs": len(dialogs), "streams": len(streams),
               "conditions": conditions, "seed": args.seed, "draws": args.draws, "temperature": temperature,
               "start_temperature": start_temperature, "start_floor": start_floor, "reply_frames": args.reply_frames,
-              "new_person": new_person,
+              "new_person": new_person, "query_grammar": grammar,
               "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
