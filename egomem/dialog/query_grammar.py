@@ -5,7 +5,8 @@ for the one place where the model's words become a database lookup. Once the mod
 header (`<retr>:` and a newline, paper §3.2.2), every text token of the relation line is drawn among the
 tokens that continue one of the relations on the Level-1 profile's `people:` line ("Name (relation); ...",
 `egomem.memory.store.Store.render_profile`); a relation ends with a newline (the keyword line follows) or with
-", " and another relation; a newline at once (no relation) is always allowed. The keywords, the answer and
+", " and another relation (at most `GrammarTokens.max_relations` on a line); a newline at once (no relation)
+is always allowed. The keywords, the answer and
 everything else stay free. Level-2 retrieval looks only among the user's own relations, so a relation outside
 them retrieves nothing: the grammar turns a garbled relation ("rin teacher") into one the user has, chosen by
 the model's own scores for the tokens that can follow. `[dialog] query_grammar` (default off), `eval-dialog
