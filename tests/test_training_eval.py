@@ -535,6 +535,7 @@ def test_run_eval_on_a_dataset_folder(tmp_path, monkeypatch):
     assert run_eval(p.parse_args(["--data", data, "--start-temperature", "-1", "--out", str(out)])) == 2
     assert run_eval(p.parse_args(["--data", data, "--start-floor", "1", "--out", str(out)])) == 2
     assert run_eval(p.parse_args(["--data", data, "--query-grammar", "--peer-grammar", "--out", str(out)])) == 2
+    assert p.parse_args(["--data", data, "--no-query-grammar"]).query_grammar is False  # over dialog.query_grammar
     assert run_eval(p.parse_args(["--data", data, "--draws", "3", "--start-temperature", "0",
                                   "--out", str(out)])) == 2  # greedy: the same each draw
 

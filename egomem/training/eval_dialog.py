@@ -18,6 +18,7 @@ from .types import Dialog
 
 def add_eval_args(p: Any) -> None:
     """`egomem eval-dialog`'s options (the caller adds --config)."""
+    import argparse
     from pathlib import Path
 
     a = p.add_argument
@@ -50,9 +51,9 @@ def add_eval_args(p: Any) -> None:
     a("--start-floor", type=float, metavar="P",
       help="with a start temperature: a turn start whose chance is below P is not taken (default: "
            "dialog.start_floor; docs/training.md#when-to-speak)")
-    a("--query-grammar", action="store_true", default=None,
-      help="every model draws a query's relation line among the relations its Level-1 profile names (default: "
-           "dialog.query_grammar; docs/training.md#a-grammar-for-the-query)")
+    a("--query-grammar", action=argparse.BooleanOptionalAction, default=None,
+      help="every model draws a query's relation line among the relations its Level-1 profile names, or not "
+           "(default: dialog.query_grammar; docs/training.md#a-grammar-for-the-query)")
     a("--peer-grammar", action="store_true",
       help="also the model under test with the query grammar, in the same run (its free decoding beside it)")
     a("--new-person", choices=["swap", "restart"],
