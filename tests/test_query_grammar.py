@@ -3,6 +3,7 @@ the slot's Level-1 profile holds; everything else on the text channel stays free
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,7 +122,7 @@ def test_the_engine_writes_only_the_slot_relations_on_the_relation_line(lm, fixe
         body = line.rstrip("\n")
         items = body.split(", ") if body else []
         assert all(it in rels for it in items), (line, rels)
-        assert line.endswith("\n") or len(body) >= 30, line  # closed, or still writing a chain of relations
+        assert line.endswith("\n") and len(items) <= TOKENS.max_relations, line  # closed after at most two
     assert lines[2] == "\n"  # no relation in the profile: the empty line at once
     assert int(engine.grammar.state[idle]) == 0
 
@@ -145,8 +146,9 @@ def test_the_pool_loads_the_relations_of_each_level_1_write_and_a_query_parses_t
     [line] = _relation_line(engine, [slot], ticks=30, fixed_shape=False)
     query = parse_query(HEADER + line + "work<answer>")
     assert query is not None and set(query.relations) <= set(profile_relations(PROFILE))
-    # the next person's profile replaces the table (and leaves the line)
-    pool.serve([DialogRequest(1, listen=listen, memchunk_level=1, memchunk_text="name: B\npeople: C (aunt)")])
+    # the next person's profile, sent as tokens, replaces the table (and leaves the line)
+    pool.serve([DialogRequest(1, listen=listen, memchunk_level=1,
+                              memchunk_tokens=np.asarray(BT.encode("name: B\npeople: C (aunt)")))])
     assert engine.grammar.loaded[slot] == 1 and int(engine.grammar.state[slot]) == 0
 
 

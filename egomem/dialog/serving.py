@@ -143,9 +143,10 @@ class DialogStreamPool:
                     tokens = self._memchunk_tokens(r)
                     if tokens is not None:
                         self.engine.write_memchunk(self._slots[r.stream], r.memchunk_level, tokens)
-                        if r.memchunk_level == 1 and self.engine.grammar is not None:
+                        if r.memchunk_level == 1 and self.engine.grammar is not None:  # the profile's relations
+                            text = r.memchunk_text if r.memchunk_text is not None else self.tokenizer.decode(tokens)
                             self.engine.set_query_relations(self._slots[r.stream], [
-                                self.tokenizer.encode(rel) for rel in profile_relations(self.tokenizer.decode(tokens))])
+                                self.tokenizer.encode(rel) for rel in profile_relations(text)])
                 except (StreamError, ValueError, KeyError) as e:
                     results[i] = e if isinstance(e, StreamError) else StreamError(str(e))
             ok = [i for i, res in enumerate(results) if res is None]
