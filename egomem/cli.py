@@ -148,6 +148,8 @@ JOBS = {
     "train-backbone": ("egomem.training.backbone",
                        "pre-train a dialog model to copy from its context (synthetic drills): finetune's start"),
     "finetune": ("egomem.training.finetune", "fine-tune a Moshi-format dialog model on MemChunk data (resumable)"),
+    "soup-dialog": ("egomem.training.soup",
+                    "average the weights of dialog models fine-tuned from one start (a model soup) into a run folder"),
     "ship-dialog": ("egomem.training.ship",
                     "a fine-tuned dialog model as the small checkpoint serving loads with no config (bf16 + metadata)"),
     "eval-dialog": ("egomem.training.eval_dialog",

@@ -6,6 +6,7 @@ weights), fail (will not work; the `fix` says what to do). The exit status is 1 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -136,8 +137,13 @@ def check_dialog(cfg: Config) -> Iterable[Finding]:
         yield Finding("ok", f"dialog weights {settings.weights} ({how})")
         return
     what = "shipped fine-tuned tiny model" if settings.weights == SHIPPED_TINY_DIALOG else "fine-tuned model"
-    yield Finding("ok", f"dialog: {what} {settings.weights} ({meta.get('steps', '?')} steps, "
-                  f"{meta.get('dtype', 'float32')}; {how})")
+    trained = f"{meta.get('steps', '?')} steps"
+    if meta.get("soup"):  # egomem soup-dialog
+        try:
+            trained = f"a soup of {len(json.loads(meta['soup']))} fine-tunes"
+        except (ValueError, TypeError):
+            trained = "a soup"
+    yield Finding("ok", f"dialog: {what} {settings.weights} ({trained}, {meta.get('dtype', 'float32')}; {how})")
     codec = meta.get("codec")
     if codec and codec != "None" and cfg.mimi.preset == "tiny":  # the full codec: too heavy to build for a check
         try:

@@ -62,6 +62,9 @@ def ship(run: Path, out: Path, dtype: str = "bfloat16", start_temperature: float
         "data_fingerprint": str(card.get("data", {}).get("fingerprint_sha256")),
         "data_samples": str(card.get("data", {}).get("samples")),
     }
+    meta = {k: v for k, v in meta.items() if v != "None"}  # what the run did not record (a soup: steps, data)
+    if card.get("soup"):  # `egomem soup-dialog`: which models, in which proportions
+        meta["soup"] = json.dumps([{k: i.get(k) for k in ("weights", "mix", "steps")} for i in card["soup"]])
     if start_temperature is not None:
         meta["start_temperature"] = str(start_temperature)
     if note:
