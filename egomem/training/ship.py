@@ -89,15 +89,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def configured_codec(config: Path | None) -> str:
+    """The fingerprint of the codec `config` serves (a model must have learnt its codes to hear the user)."""
+    from egomem.codec.mimi import build_mimi
+    from egomem.config import load_config
+    from egomem.trigger.codec import codec_fingerprint
+
+    return codec_fingerprint(build_mimi(load_config(config).mimi))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    codec = None
-    if not args.any_codec:
-        from egomem.codec.mimi import build_mimi
-        from egomem.config import load_config
-        from egomem.trigger.codec import codec_fingerprint
-
-        codec = codec_fingerprint(build_mimi(load_config(args.config).mimi))
+    codec = None if args.any_codec else configured_codec(args.config)
     try:
         meta = ship(args.run, args.out, args.dtype, args.start_temperature, args.note, codec)
     except ShipError as e:

@@ -124,13 +124,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    codec = None
-    if not args.any_codec:
-        from egomem.codec.mimi import build_mimi
-        from egomem.config import load_config
-        from egomem.trigger.codec import codec_fingerprint
+    from egomem.training.ship import configured_codec
 
-        codec = codec_fingerprint(build_mimi(load_config(args.config).mimi))
+    codec = None if args.any_codec else configured_codec(args.config)
     try:
         card = soup(args.weights, args.out, args.mix, codec)
     except SoupError as e:
