@@ -91,6 +91,10 @@ def test_ingredients_that_cannot_be_averaged_are_refused_by_name(tmp_path, capsy
         soup([a, a, a], tmp_path / "x", mix=[1, 1])
     with pytest.raises(SoupError, match="non-negative"):
         soup([a, a], tmp_path / "x", mix=[1, -1])
+    broken = run_folder(tmp_path / "broken", seed=2)
+    (broken.parent / "model_card.json").write_text("{not json")
+    with pytest.raises(SoupError, match="model_card.json is not JSON"):
+        soup([a, broken], tmp_path / "x")
     assert not (tmp_path / "x").exists()  # nothing written for a refused soup
 
     assert cli_main(["soup-dialog", "--weights", str(a), str(tmp_path / "missing.safetensors"),

@@ -29,7 +29,12 @@ def _ingredient_card(weights: Path) -> dict:
 
     meta = checkpoint_metadata(weights)
     card_path = weights.parent / "model_card.json"
-    card = json.loads(card_path.read_text()) if weights.name == "lm.safetensors" and card_path.is_file() else {}
+    card = {}
+    if weights.name == "lm.safetensors" and card_path.is_file():
+        try:
+            card = json.loads(card_path.read_text())
+        except ValueError as e:
+            raise SoupError(f"{card_path} is not JSON ({e}): restore the run's model card or remove it") from e
     data = card.get("data", {})
     return {
         "weights": str(weights),
