@@ -66,7 +66,7 @@ def test_a_soup_is_the_weighted_mean_of_its_ingredients_and_ships_and_loads_like
 
 def test_the_same_model_twice_is_itself_and_the_default_mix_is_uniform(tmp_path):
     a, b = run_folder(tmp_path / "a", seed=1), run_folder(tmp_path / "b", seed=2)
-    card = soup([a, a], tmp_path / "self")
+    soup([a, a], tmp_path / "self")
     sa, ss = load_file(str(a)), load_file(str(tmp_path / "self" / "lm.safetensors"))
     assert all(torch.allclose(ss[k], sa[k], atol=1e-7) for k in sa)
     card = soup([a, b], tmp_path / "half")

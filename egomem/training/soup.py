@@ -76,8 +76,7 @@ def soup(weights: list[Path], out: Path, mix: list[float] | None = None, codec: 
             raise SoupError(f"{w} not found: --weights takes Moshi-format LM safetensors files (a shipped checkpoint "
                             f"or a finetune run's lm.safetensors)")
     ingredients = [_ingredient_card(w) for w in weights]
-    preset, context, codec_learnt = (_same(ingredients, k) for k in ("preset", "context", "codec"))
-    tokenizer = _same(ingredients, "tokenizer")
+    preset, context, codec_learnt, tokenizer = (_same(ingredients, k) for k in ("preset", "context", "codec", "tokenizer"))
     if codec is not None and codec_learnt not in (None, codec):
         raise SoupError(f"the ingredients learnt the codes of codec {codec_learnt}, the configured Mimi is {codec}: "
                         f"served with it the soup would not hear the user (pass --any-codec to average them anyway)")
@@ -101,6 +100,7 @@ def soup(weights: list[Path], out: Path, mix: list[float] | None = None, codec: 
 
     out.mkdir(parents=True, exist_ok=True)
     path, tmp = out / "lm.safetensors", out / "lm.safetensors.tmp"
+    # "trained_by" as finetune writes it: every ingredient was fine-tuned, and serving and doctor read a soup alike
     save_file({k: v.contiguous() for k, v in total.items()}, str(tmp),
               metadata={"format": "moshi-lm", "preset": preset or "tiny", "trained_by": "egomem finetune",
                         "context": context or "stream"})
