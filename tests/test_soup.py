@@ -112,12 +112,20 @@ def test_ingredients_that_cannot_be_averaged_are_refused_by_name(tmp_path, capsy
 
 def test_integer_tensors_are_kept_when_equal_and_refused_when_not(tmp_path):
     a, b, c = (tmp_path / f"{n}.safetensors" for n in "abc")
-    save_file({"w": torch.zeros(2, 3, dtype=torch.bfloat16), "step": torch.tensor([7])}, a, metadata={"codec": "x"})
-    save_file({"w": torch.full((2, 3), 4.0, dtype=torch.bfloat16), "step": torch.tensor([7])}, b)
-    save_file({"w": torch.ones(2, 3), "step": torch.tensor([8])}, c)
+    scalars = {"scale": torch.tensor(2.0), "on": torch.tensor(True), "none": torch.zeros(0, 4)}  # 0-dim, bool, empty
+    save_file({"w": torch.zeros(2, 3, dtype=torch.bfloat16), "step": torch.tensor([7])} | scalars, a,
+              metadata={"codec": "x"})
+    save_file({"w": torch.full((2, 3), 4.0, dtype=torch.bfloat16), "step": torch.tensor([7])}
+              | scalars | {"scale": torch.tensor(6.0, dtype=torch.float16)}, b)
+    save_file({"w": torch.ones(2, 3), "step": torch.tensor([8])} | scalars, c)
     card = soup([a, b], tmp_path / "mix", mix=[3, 1])  # b as a blend a + 0.25 x (b - a)
+    # written tensor by tensor (safetensors' own reader takes the file): floats as float32, the rest as they were
     mix = load_file(tmp_path / "mix" / "lm.safetensors")
     assert mix["w"].dtype == torch.float32 and torch.equal(mix["w"], torch.full((2, 3), 1.0))
     assert torch.equal(mix["step"], torch.tensor([7])) and card["data"]["codec"] == "x"
+    assert torch.equal(mix["scale"], torch.tensor(3.0)) and torch.equal(mix["on"], torch.tensor(True))
+    assert mix["none"].shape == (0, 4) and mix["none"].dtype == torch.float32
+    assert checkpoint_metadata(tmp_path / "mix" / "lm.safetensors")["trained_by"] == "egomem finetune"
     with pytest.raises(SoupError, match="integer tensor step differs"):
         soup([a, c], tmp_path / "x")
+    assert not (tmp_path / "x").exists()  # refused before anything is written

@@ -10,6 +10,8 @@ meet a new person (`context`); each is read from the file's own metadata (a ship
 `model_card.json` beside it (an `egomem finetune` run). The output is a run folder as `egomem finetune` leaves
 one (float32 `lm.safetensors` and `model_card.json`, whose `soup` lists the ingredients and their weights), so
 `egomem eval-dialog --weights <out>/lm.safetensors` and `egomem ship-dialog --run <out>` take it unchanged.
+The mean is computed and written one tensor at a time, so a 7B soup needs the memory of one tensor per
+ingredient, not of the models (the float32 file itself is 4 bytes a parameter: `ship-dialog` writes bf16).
 """
 
 from __future__ import annotations
@@ -56,12 +58,67 @@ def _same(ingredients: list[dict], key: str) -> str | None:
     return known.pop() if known else None
 
 
+_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+def _mean_layout(weights: list[Path], files: list) -> dict[str, tuple[str, list[int]]]:
+    """Per tensor name, the soup's safetensors dtype (float32 for a float) and shape; refuses ingredients with other
+    tensors or shapes, or integer tensors (counts, indices: one value, not a mean) that differ."""
+    import torch
+
+    keys = sorted(files[0].keys())
+    layout: dict[str, tuple[str, list[int]]] = {}
+    for w, f in zip(weights, files):
+        if sorted(f.keys()) != keys:
+            extra = sorted(set(f.keys()) ^ set(keys))[:3]
+            raise SoupError(f"{w} has other tensors than {weights[0]} ({', '.join(extra)} ...): another architecture")
+        for k in keys:
+            info = f.get_slice(k)
+            dtype, shape = info.get_dtype(), list(info.get_shape())
+            if k not in layout:
+                layout[k] = ("F32" if dtype in _FLOATS else dtype, shape)
+            elif shape != layout[k][1]:
+                raise SoupError(f"{w}: {k} is {tuple(shape)}, {tuple(layout[k][1])} in {weights[0]}")
+            elif layout[k][0] not in _FLOATS and not torch.equal(f.get_tensor(k), files[0].get_tensor(k)):
+                raise SoupError(f"{w}: integer tensor {k} differs from {weights[0]}'s: it cannot be averaged")
+    return layout
+
+
+def _write_mean(files: list, mix: list[float], layout: dict[str, tuple[str, list[int]]], path: Path,
+                metadata: dict[str, str]) -> None:
+    """Write sum_i mix_i * files_i to `path` in safetensors' format, one tensor at a time: memory holds one tensor
+    of each ingredient, never a whole model (a 7B soup streams from disk to disk)."""
+    import math
+
+    import torch
+
+    header: dict[str, object] = {"__metadata__": metadata}
+    at = 0
+    for k, (dtype, shape) in layout.items():
+        n = _BYTES[dtype] * math.prod(shape)
+        header[k] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + n]}
+        at += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format pads its JSON header to 8 bytes
+    with path.open("wb") as fh:
+        fh.write(len(blob).to_bytes(8, "little") + blob)
+        for k, (dtype, _) in layout.items():
+            mean = files[0].get_tensor(k)
+            if dtype == "F32":
+                mean = mean.to(torch.float32) * mix[0]
+                for m, f in zip(mix[1:], files[1:]):
+                    mean.add_(f.get_tensor(k).to(torch.float32), alpha=m)
+            fh.write(mean.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
 def soup(weights: list[Path], out: Path, mix: list[float] | None = None, codec: str | None = None) -> dict:
     """Write sum_i mix_i * weights_i (mix normalised to sum 1; uniform by default) as a run folder `out`;
     its model card. With `codec` (the fingerprint of the codec serving runs), refuse ingredients that learnt
     another codec's codes."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    import contextlib
+
+    from safetensors import safe_open
 
     if len(weights) < 2:
         raise SoupError("--weights takes at least two checkpoints")
@@ -81,29 +138,14 @@ def soup(weights: list[Path], out: Path, mix: list[float] | None = None, codec: 
         raise SoupError(f"the ingredients learnt the codes of codec {codec_learnt}, the configured Mimi is {codec}: "
                         f"served with it the soup would not hear the user (pass --any-codec to average them anyway)")
 
-    total: dict[str, torch.Tensor] = {}
-    for i, (w, m) in enumerate(zip(weights, mix)):
-        state = load_file(str(w))
-        if i and state.keys() != total.keys():
-            extra = sorted(set(state) ^ set(total))[:3]
-            raise SoupError(f"{w} has other tensors than {weights[0]} ({', '.join(extra)} ...): another architecture")
-        for k, v in state.items():
-            if i and v.shape != total[k].shape:
-                raise SoupError(f"{w}: {k} is {tuple(v.shape)}, {tuple(total[k].shape)} in {weights[0]}")
-            if not v.is_floating_point():  # a count or an index: one value, not a mean
-                if i and not torch.equal(v, total[k]):
-                    raise SoupError(f"{w}: integer tensor {k} differs from {weights[0]}'s: it cannot be averaged")
-                total[k] = v
-                continue
-            v = v.to(torch.float32)
-            total[k] = m * v if i == 0 else total[k].add_(v, alpha=m)
-
-    out.mkdir(parents=True, exist_ok=True)
-    path, tmp = out / "lm.safetensors", out / "lm.safetensors.tmp"
-    # "trained_by" as finetune writes it: every ingredient was fine-tuned, and serving and doctor read a soup alike
-    save_file({k: v.contiguous() for k, v in total.items()}, str(tmp),
-              metadata={"format": "moshi-lm", "preset": preset or "tiny", "trained_by": "egomem finetune",
-                        "context": context or "stream"})
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(safe_open(str(w), framework="pt")) for w in weights]
+        layout = _mean_layout(weights, files)
+        out.mkdir(parents=True, exist_ok=True)
+        path, tmp = out / "lm.safetensors", out / "lm.safetensors.tmp"
+        # "trained_by" as finetune writes it: every ingredient was fine-tuned; serving and doctor read a soup alike
+        _write_mean(files, mix, layout, tmp, {"format": "moshi-lm", "preset": preset or "tiny",
+                                              "trained_by": "egomem finetune", "context": context or "stream"})
     tmp.replace(path)
     card = {
         "format": "egomem-finetune-v1", "weights": path.name, "preset": preset or "tiny", "dtype": "float32",
