@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -24,12 +25,12 @@ from egomem.memory.llm import LLMClient
 from egomem.memory.sqlite import SQLiteMemoryStore
 from egomem.retrieval.query import RetrievalQuery, parse_query
 from egomem.training.corpus import make_corpus
-from egomem.training.dataset import write_dataset
-from egomem.training.eval_dialog import add_eval_args, fact_vocabulary, load_people, main, run_eval
+from egomem.training.dataset import Dataset, write_dataset
+from egomem.training.eval_dialog import _print_row, add_eval_args, fact_vocabulary, load_people, main, run_eval
 from egomem.training.evaluate import EvalError, evaluate
 from egomem.training.judge import JudgeError, LLMJudge, RuleJudge, TurnCase, make_judge, query_scores
 from egomem.training.memory_text import MemoryTexts
-from egomem.training.streams import DialogLayout, Stream, StreamLayout, TurnLayout
+from egomem.training.streams import DialogLayout, Stream, StreamLayout, TurnLayout, noise_draw
 from egomem.training.throughput import ServedTickError, served_fps
 from egomem.training.types import Dialog, Edge, Household, Profile, Query, Turn, to_json
 
@@ -374,6 +375,49 @@ def test_evaluate_scripted_model_every_figure_known(memory):
     assert [t["reference"]["reply"] for t in noisy["turns"]] == [t["reply"] for t in r["turns"]]
     assert noisy["l1"]["greetings"]["fact_score"] == 0.5 and noisy["l1"]["answers"]["fact_score"] == 0.0
     assert noisy["l2"]["fact_score"] == 0.0 and noisy["l2"]["query"]["precision"] == 0.0
+
+
+def test_noised_level_one_by_snr_band(memory, capsys):
+    """Each turn carries the background SNR of its stream's noised copy and Level 1 is also split per 5 dB band
+    of it, noised and clean (the same streams without it); the scripted model of the test above: noised, stream 0
+    wrong twice and stream 1's greeting right; clean, all right."""
+    streams = [Stream(replace(s.layout, meta={"noise_snr_db": snr}), s.tokens, s.noised)
+               for s, snr in zip(make_streams(np.random.default_rng(0)), (3.2, 12.0), strict=True)]
+    engine = DialogEngine(scripted_lm(), max_streams=2, l1_steps=512, l2_steps=256, ring_steps=32)
+    judge = RuleJudge([HOME], DIALOGS, fact_vocabulary())
+    noisy = evaluate(engine, TOK, DIALOGS, streams, memory, judge, noised=True)
+    assert [t["snr_db"] for t in noisy["turns"]] == [3.2, 3.2, 3.2, 12.0, 12.0]
+    assert noisy["l1"]["by_snr_db"] == {
+        "0-5": {"all": {"fact_score": 0.0, "n": 2}, "greetings": {"fact_score": 0.0, "n": 1},
+                "answers": {"fact_score": 0.0, "n": 1}},
+        "10-15": {"all": {"fact_score": 1.0, "n": 1}, "greetings": {"fact_score": 1.0, "n": 1},
+                  "answers": {"fact_score": None, "n": 0}}}
+    _print_row({"name": "scripted", "noised": noisy}, ["noised"])  # eval-dialog's summary line under the model's
+    assert "L1 fact by SNR: 0-5 dB 0.000 (n=2; answers 0.000), 10-15 dB 1.000 (n=1; answers   -  )" in capsys.readouterr().out
+    clean = evaluate(engine, TOK, DIALOGS, streams, memory, judge)  # the same streams without the background
+    assert [t["snr_db"] for t in clean["turns"]] == [3.2, 3.2, 3.2, 12.0, 12.0]
+    assert clean["l1"]["by_snr_db"] == {
+        "0-5": {"all": {"fact_score": 1.0, "n": 2}, "greetings": {"fact_score": 1.0, "n": 1},
+                "answers": {"fact_score": 1.0, "n": 1}},
+        "10-15": {"all": {"fact_score": 1.0, "n": 1}, "greetings": {"fact_score": 1.0, "n": 1},
+                  "answers": {"fact_score": None, "n": 0}}}
+    unknown = evaluate(engine, TOK, DIALOGS, make_streams(np.random.default_rng(0)), memory, judge, noised=True)
+    assert "by_snr_db" not in unknown["l1"]  # streams that do not say their SNR: no split, not a guessed one
+
+
+def test_a_dataset_built_before_layouts_said_their_snr_recovers_it(tmp_path):
+    """Layouts without `noise_snr_db` get the build's draw (`noise_draw(seed, index)`) when a noised copy exists;
+    one that says it keeps its own; a stream without a noised copy gets none."""
+    streams = make_streams(np.random.default_rng(0))
+    layouts = [StreamLayout(f"s{i:06d}", s.layout.n_steps, s.layout.dialogs, 0, {"split": "heldout"} | extra)
+               for i, (s, extra) in enumerate(zip(streams + streams[:1], ({}, {}, {"noise_snr_db": 7.5}), strict=True))]
+    tokens = {lay.stream: s.tokens for lay, s in zip(layouts, streams + streams[:1], strict=True)}
+    tokens |= {f"{lay.stream}-noised": s.noised for lay, s in zip(layouts[1:], streams[1:] + streams[:1], strict=True)}
+    manifest = {"n1": 512, "n2": 256, "tokenizer": "byte", "codec": "hand-made", "seed": 4,
+                "spec": {"noise_snr_db": [0.0, 20.0]}}
+    write_dataset(tmp_path / "data", manifest, [HOME], DIALOGS, tokens, [], layouts)
+    got = [lay.meta.get("noise_snr_db") for lay in Dataset(tmp_path / "data").layouts]
+    assert got == [None, noise_draw(4, 1, (0.0, 20.0))[1], 7.5]
 
 
 def test_evaluate_new_person_restart_opens_the_stream_afresh(memory):

@@ -29,6 +29,7 @@ from egomem.training.streams import (
     conversation_starts,
     dialog_persons,
     group_dialogs,
+    noise_draw,
 )
 from egomem.training.tts import (
     HELDOUT_VOICES,
@@ -292,6 +293,30 @@ def test_noised_copy_differs_in_listen_codes_only(codec, tts):
     assert np.array_equal(again.noised, s.noised) and np.array_equal(again.tokens, s.tokens)  # seeded
     other = b.build("n", [(0, held)], index=8, noised=True)
     assert not np.array_equal(other.noised[9:], s.noised[9:])
+    # the layout says the noised copy's SNR: the draw `noise_draw` makes (eval-dialog's `by_snr_db` reads it)
+    snr = s.layout.meta["noise_snr_db"]
+    assert snr == noise_draw(2, 7, b.spec.noise_snr_db)[1] and 0 <= snr <= 20 and snr != other.layout.meta["noise_snr_db"]
+    assert "noise_snr_db" not in b.build("n", [(0, held)], index=7, noised=False).layout.meta
+
+
+def test_the_recorded_snr_is_the_one_the_noise_was_mixed_at(codec, tts, monkeypatch):
+    """The layout's `noise_snr_db` is the level the noised copy's background was mixed at: the audio the codec
+    is handed (recorded on its way in, then encoded as ever) holds the user's speech that many dB above it."""
+    import egomem.trigger.codec as codec_module
+
+    heard: list[np.ndarray] = []
+    real = codec_module.encode
+    monkeypatch.setattr(codec_module, "encode", lambda c, wav: heard.append(wav.copy()) or real(c, wav))
+    held = Dialog("zed", "zed", 1, GREET.turns, "hand:1", "heldout")
+    for lo in (3.0, 17.0):
+        heard.clear()
+        s = builder(codec, tts, StreamSpec(noise_snr_db=(lo, lo + 1e-6)), seed=2).build("n", [(0, held)], 7, True)
+        clean, noisy = [h for h in heard if len(h) == s.layout.n_steps * FRAME_SAMPLES]  # each copy's listen row
+        u = s.layout.dialogs[0].turns[1]
+        speech = clean[u.user_start * FRAME_SAMPLES:u.user_end * FRAME_SAMPLES]
+        measured = 20 * np.log10(np.sqrt(np.mean(speech ** 2)) / np.sqrt(np.mean((noisy - clean) ** 2)))
+        assert abs(measured - s.layout.meta["noise_snr_db"]) < 1.5, (lo, measured)
+
 
 
 def test_bad_dialogs_are_refused(codec, tts):

@@ -18,7 +18,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from egomem.training.streams import (
     conversation_starts,
     group_dialogs,
     layout_from_json,
+    noise_draw,
 )
 from egomem.training.tts import HELDOUT_VOICES, MODEL_VOICE, TRAIN_VOICES
 from egomem.training.types import (
@@ -175,7 +176,17 @@ class Dataset:
 
     @property
     def layouts(self) -> list[StreamLayout]:
-        return self._lines("layouts.jsonl", layout_from_json)
+        """The streams' layouts; one with a noised copy says its SNR (`meta["noise_snr_db"]`), recovered from the
+        build's seed for a dataset built before layouts recorded it (the file's order is the build's)."""
+        if "layouts.jsonl" not in self._cache:
+            rows = self._lines("layouts.jsonl", layout_from_json)
+            snr_range = self.manifest.get("spec", {}).get("noise_snr_db")
+            for i, lay in enumerate(rows):
+                noised = (self.path / "streams" / f"{lay.stream}{NOISED_SUFFIX}.npy").is_file()
+                if noised and snr_range and "noise_snr_db" not in lay.meta:
+                    rows[i] = replace(lay, meta={**lay.meta,
+                                                 "noise_snr_db": noise_draw(self.manifest["seed"], i, snr_range)[1]})
+        return self._cache["layouts.jsonl"]
 
     @property
     def samples(self) -> list[Sample]:

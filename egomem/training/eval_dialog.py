@@ -296,6 +296,10 @@ def _print_row(entry: dict[str, Any], conditions: list[str]) -> None:
               f"{f(r['l2']['fact_score'])} (n={r['l2']['n']})  query P {f(q['precision'])} R {f(q['recall'])} "
               f"EM {f(q['exact'])} (who {f(q.get('relations_exact'))}, what {f(q.get('keywords_exact'))})  "
               f"AQ {aq if isinstance(aq, str) else f(aq['mean'])}", flush=True)
+        if "by_snr_db" in r["l1"]:  # where the background drowns the user (clean: the same streams without it)
+            print(f"{'':<28} {'':<6} L1 fact by {'SNR' if c == 'noised' else 'the SNR of its noised copy'}: " + ", ".join(
+                f"{band} dB {f(b['all']['fact_score'])} (n={b['all']['n']}; answers {f(b['answers']['fact_score'])})"
+                for band, b in r["l1"]["by_snr_db"].items()), flush=True)
 
 
 def plot(report: dict[str, Any], path: Any) -> None:

@@ -17,7 +17,9 @@ the next user turn starts, at most `reply_frames` frames, with any `<retr>...<an
 (`reference`: the ceiling, below 1 where an interruption cuts a reply before its fact) and the model's Fact
 Score on the turns the reference passes (`reachable`). Level-2 turns also score the first query the model
 wrote between the start of the user's audio and the end of that window. Level-1 figures come also `by_person`:
-the stream's first person, a new person later (an L1 refresh), the same person's next dialog (none).
+the stream's first person, a new person later (an L1 refresh), the same person's next dialog (none); and
+`by_snr_db`: per 5 dB band of the background SNR to the user's speech of the stream's noised copy (the layout's
+`noise_snr_db`), in the clean condition too (the same streams without it: the pair, band by band).
 
 The command around it (held-out people -> dialogs -> streams, models x conditions, throughput, the
 JSON report and PNG) is egomem/training/eval_dialog.py.
@@ -46,6 +48,7 @@ from .streams import Stream, StreamLayout, dialog_persons
 from .types import Dialog, Query
 
 TEXT, LISTEN = 0, slice(9, 17)  # the text row and the listen rows of the aligned 17-row stream
+SNR_BAND_DB = 5  # noised Level-1 figures also per band of this many dB of the background's SNR (`by_snr_db`)
 _QUERY_MARKUP = re.compile(r"<retr>.*?(<answer>|$)", re.S)
 
 
@@ -153,7 +156,8 @@ def evaluate(lm_or_engine: LMModel | DialogEngine, tokenizer: TextTokenizer, dia
                 for r in runs:
                     pool.close(r.sid)
         seconds += time.perf_counter() - t0
-        drawn = [rec | ({"draw": k} if draws > 1 else {}) for run in runs
+        # the background SNR of the stream's noised copy; clean, the same streams without it: the pair per band
+        drawn = [rec | ({"draw": k} if draws > 1 else {}) | _snr(run.stream.layout) for run in runs
                  for rec in _judge_stream(run, dialogs, memory, judge, tokenizer, reply_frames)]
         records += drawn
         if draws > 1:  # the pooled figures below, and each draw's own beside them
@@ -273,6 +277,10 @@ def _judge_stream(run: _Run, dialogs: Sequence[Dialog], memory: MemorySource, ju
     return out
 
 
+def _snr(layout: StreamLayout) -> dict[str, float]:
+    return {"snr_db": layout.meta["noise_snr_db"]} if "noise_snr_db" in layout.meta else {}
+
+
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -289,15 +297,25 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
                                          "n": len(judged)}
         reachable = [r["fact_score"] for r in judged if r["reference"]["fact_score"] == 1]
         out[f"l{level}"]["reachable"] = {"fact_score": _mean(reachable), "n": len(reachable)}
+    def value(r: dict[str, Any], k: str) -> Any:
+        return int(r["snr_db"] // SNR_BAND_DB) * SNR_BAND_DB if k == "snr_band" else r[k]
+
     def l1(**match: Any) -> dict[str, Any]:
         scored = [r["fact_score"] for r in records if r["level"] == 1 and r["fact_score"] is not None
-                  and all(r[k] == v for k, v in match.items())]
+                  and all(value(r, k) == v for k, v in match.items())]
         return {"fact_score": _mean(scored), "n": len(scored)}
 
     parts = (("greetings", True), ("answers", False))  # L1: the model's opening vs its answers
     out["l1"].update({part: l1(greeting=g) for part, g in parts})
     out["l1"]["by_person"] = {who: {part: l1(person=who, greeting=g) for part, g in parts}
                               for who in ("first", "new", "same")}
+    snrs = [r.get("snr_db") for r in records if r["level"] == 1]
+    if snrs and all(v is not None for v in snrs):  # per 5 dB band of the (noised copy's) background SNR
+        bands = sorted({int(v // SNR_BAND_DB) * SNR_BAND_DB for v in snrs})
+        out["l1"]["by_snr_db"] = {
+            f"{lo:g}-{lo + SNR_BAND_DB:g}": {"all": l1(snr_band=lo), **{part: l1(snr_band=lo, greeting=g)
+                                                                      for part, g in parts}}
+            for lo in bands}
     read = [r["reads_memchunk"] for r in records if r["level"] == 1]
     out["l1"]["read_outs"] = {"share": _mean([float(x) for x in read]), "n": sum(read)}  # `judge.reads_memchunk`
     qs = [r["query_scores"] for r in records if "query_scores" in r]

@@ -38,7 +38,7 @@ over the silences). Everything is seeded: (seed, stream index) fixes a stream.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -278,18 +278,19 @@ class StreamBuilder:
 
     # -- tokens -----------------------------------------------------------------------------------
     def render(self, plan: list[DialogLayout], dialogs: Sequence[tuple[int, Dialog]], n_steps: int,
-               noise_rng: np.random.Generator | None = None) -> np.ndarray:
-        """The int16 [17, n_steps] stream of a plan; with `noise_rng`, the noised copy."""
+               noise_rng: np.random.Generator | None = None, snr_db: float = 0.0) -> np.ndarray:
+        """The int16 [17, n_steps] stream of a plan; with `noise_rng`, the noised copy, its background `snr_db`
+        below the users' speech (`noise_draw`)."""
         K = len(self.silence)
         text = np.full(n_steps, self.pad, np.int16)
         speak = np.repeat(self.silence[None], n_steps, 0)  # [T, K]
         whole = self.spec.listen == "whole"
         if whole:
-            listen = self._listen_whole(plan, dialogs, n_steps, noise_rng)
+            listen = self._listen_whole(plan, dialogs, n_steps, noise_rng, snr_db)
         elif noise_rng is None:
             listen, level = speak.copy(), 0.0
         else:
-            listen, level = self._background(plan, dialogs, n_steps, noise_rng)
+            listen, level = self._background(plan, dialogs, n_steps, noise_rng, snr_db)
 
         def put(row: np.ndarray, start: int, values: np.ndarray) -> None:
             end = min(start + len(values), n_steps)
@@ -320,7 +321,7 @@ class StreamBuilder:
         return encode(self.codec, wav + make_noise(noise_rng, len(wav)) * level)
 
     def _listen_whole(self, plan: list[DialogLayout], dialogs: Sequence[tuple[int, Dialog]], n_steps: int,
-                      noise_rng: np.random.Generator | None) -> np.ndarray:
+                      noise_rng: np.random.Generator | None, snr_db: float) -> np.ndarray:
         """The listen row [n_steps, K] as serving's codec writes it: the user's utterances laid out as one
         waveform at their frames, with `noise_rng` over one background of noise, encoded in one pass."""
         from egomem.trigger.codec import encode
@@ -334,13 +335,11 @@ class StreamBuilder:
                 n = max(0, min(len(speech), len(wav) - start))
                 wav[start:start + n] += speech[:n]
         if noise_rng is not None:
-            level = self._noise_level(plan, dialogs, noise_rng)
-            wav += make_noise(noise_rng, len(wav)) * level
+            wav += make_noise(noise_rng, len(wav)) * self._noise_level(plan, dialogs, snr_db)
         return encode(self.codec, wav)[:n_steps]
 
-    def _noise_level(self, plan: list[DialogLayout], dialogs: Sequence[tuple[int, Dialog]],
-                     rng: np.random.Generator) -> float:
-        """A noised stream's noise RMS: 0-20 dB (`noise_snr_db`) below the stream's median user-speech RMS."""
+    def _noise_level(self, plan: list[DialogLayout], dialogs: Sequence[tuple[int, Dialog]], snr_db: float) -> float:
+        """A noised stream's noise RMS: `snr_db` below the stream's median user-speech RMS."""
         rms = []
         for d, (_, dialog) in zip(plan, dialogs, strict=False):
             voice = voice_for(dialog.user_id, dialog.split)
@@ -348,16 +347,15 @@ class StreamBuilder:
                 wav = self.tts(dialog.turns[u.turn].user, voice)
                 if len(wav):
                     rms.append(float(np.sqrt(np.mean(wav ** 2))))
-        snr_db = rng.uniform(*self.spec.noise_snr_db)
         return (float(np.median(rms)) if rms else 0.05) / 10 ** (snr_db / 20)
 
     def _background(self, plan: list[DialogLayout], dialogs: Sequence[tuple[int, Dialog]], n_steps: int,
-                    rng: np.random.Generator) -> tuple[np.ndarray, float]:
+                    rng: np.random.Generator, snr_db: float) -> tuple[np.ndarray, float]:
         """("spliced") A noised stream's listen row before the user speaks into it, and the noise's RMS
         level (`_noise_level`): its noise-only codes (a few seconds, encoded once) tiled over the row."""
         from egomem.trigger.codec import encode
 
-        level = self._noise_level(plan, dialogs, rng)
+        level = self._noise_level(plan, dialogs, snr_db)
         clip = encode(self.codec, make_noise(rng, NOISE_CLIP_FRAMES * FRAME_SAMPLES) * level)[3:]  # past warm-up
         reps = -(-n_steps // len(clip)) + 1
         a = int(rng.integers(len(clip)))
@@ -367,8 +365,20 @@ class StreamBuilder:
         """Stream number `index` of a build (it seeds the draws) from (corpus index, Dialog) pairs."""
         layout, plan = self.plan(stream, dialogs, np.random.default_rng([self.seed, index]))
         tokens = self.render(plan, dialogs, layout.n_steps)
-        noisy = self.render(plan, dialogs, layout.n_steps, np.random.default_rng([self.seed, index, 1])) if noised else None
-        return Stream(layout, tokens, noisy)
+        if not noised:
+            return Stream(layout, tokens, None)
+        rng, snr_db = noise_draw(self.seed, index, self.spec.noise_snr_db)
+        noisy = self.render(plan, dialogs, layout.n_steps, rng, snr_db)
+        # the noised copy's SNR, in the layout both copies share: what eval-dialog's `by_snr_db` reads
+        return Stream(replace(layout, meta={**layout.meta, "noise_snr_db": snr_db}), tokens, noisy)
+
+
+def noise_draw(seed: int, index: int, snr_range: Sequence[float]) -> tuple[np.random.Generator, float]:
+    """The noised copy of build `seed`'s stream number `index`: the generator its noise is drawn from and its
+    SNR in dB (that generator's first draw, uniform in `snr_range`). A dataset built before layouts recorded
+    the SNR recovers it from here (`Dataset.layouts`)."""
+    rng = np.random.default_rng([seed, index, 1])
+    return rng, float(rng.uniform(*snr_range))
 
 
 def group_dialogs(dialogs: Sequence[Dialog], seed: int, per_stream: tuple[int, int] = (2, 4),
