@@ -38,7 +38,8 @@ the memory worker labels; `--long-streams` each), compare windowed labelling wit
 Each also gets an error breakdown of the gold sessions at span_match@5: matched / merged (one
 predicted span covers two gold sessions) / split / shifted / missed; in the noised conditions the
 trigger's metrics also come per kind of background noise on the listen row (`by_background`:
-white, pink, brown, babble, music, recorded).
+white, pink, brown, babble, music, recorded) and, with `--listen audio`, per 5 dB band of its SNR to
+the users' speech (`by_snr_db`).
 Speed: seconds to label one 8,192-step chunk (paper: 0.08 s on an H100), median of `--repeats`,
 windowed and in one pass.
 
@@ -75,6 +76,7 @@ from egomem.trigger.synth import (
     synth_recorded,
 )
 
+SNR_BANDS_DB = (0, 5, 10, 15)  # the noised copies' background is drawn at 0-20 dB SNR (listen_audio.SNR_DB)
 DEFAULT_CACHE = REPO_ROOT / "tests" / "data" / "trigger" / "heldout_codes.npz"
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "speech"
 
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
             out["trigger_codes_only"] = []
         if peer is not None:
             out["peer_trigger"] = []
-        golds, polls, backgrounds = [], 0, []
+        golds, polls, backgrounds, snrs = [], 0, [], []
         for _ in range(args.streams):
             s = draw_stream(cache, rng, cspec, noised, listen)
             voices = poll_voices(cache, s)
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
                 out["peer_trigger"].append(decode_sessions(peer.label(s.tokens, voices)))
             golds.append(s.sessions)
             backgrounds.append(s.background)
+            snrs.append(s.snr_db)
         results["metrics"][cond] = {k: evaluate(v, golds) | {"errors@5": error_breakdown(v, golds, 5)}
                                     for k, v in out.items()}
         results["metrics"][cond]["trigger+split"]["voice_polls"] = polls
@@ -213,6 +216,11 @@ def main(argv: list[str] | None = None) -> dict:
                 kind: evaluate([p for p, b in zip(out["trigger"], backgrounds) if b == kind],
                                [g for g, b in zip(golds, backgrounds) if b == kind])
                 for kind in sorted(set(backgrounds))}
+            if all(v is not None for v in snrs):  # --listen audio: per 5 dB band of the background's SNR
+                results["metrics"][cond]["trigger"]["by_snr_db"] = {
+                    f"{lo}-{lo + 5}": evaluate([p for p, v in zip(out["trigger"], snrs) if lo <= v < lo + 5],
+                                               [g for g, v in zip(golds, snrs) if lo <= v < lo + 5])
+                    for lo in SNR_BANDS_DB if any(lo <= v < lo + 5 for v in snrs)}
     for i, (cond, (cspec, noised)) in enumerate(long_conditions.items()):
         rng = np.random.default_rng([args.seed, 20 + i])
         out = {"trigger": [], "trigger_one_pass": [], "activity_peer": []}
@@ -269,7 +277,7 @@ def _print_table(r: dict) -> None:
             e = m["errors@5"]
             errs = "/".join(str(e[k]) for k in ("matched", "merged", "split", "shifted", "missed"))
             print(f"{cond:20} {name:19} {m['jaccard']:8.3f} {cells}  {errs}")
-            for kind, k in m.get("by_background", {}).items():
+            for kind, k in [*m.get("by_background", {}).items(), *((f"{b} dB", k) for b, k in m.get("by_snr_db", {}).items())]:
                 print(f"{'':20}   {kind + ' (' + str(k['streams']) + ')':17} {k['jaccard']:8.3f} " + " ".join(
                     f"F1@{n} {k[f'span_match@{n}']['f1']:.3f}".rjust(20) for n in (0, 5, 10)))
     print("shipped bar (Jaccard, F1@5):", ", ".join(

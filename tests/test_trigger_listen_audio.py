@@ -53,19 +53,20 @@ def test_the_row_is_the_codecs_one_pass_code_of_the_laid_out_audio_and_the_layou
     layout = _layout(cache, 0)
     for noised in (False, True):
         s = encode_listen(layout, audio, codec, np.random.default_rng(5), noised)
-        wave, kind = listen_waveform(layout, audio, np.random.default_rng(5), noised)
+        wave, kind, snr = listen_waveform(layout, audio, np.random.default_rng(5), noised)
         assert (s.tokens[:, 9:] == encode(codec, wave)[:256]).all()
         assert (s.tokens[:, :9] == layout.tokens[:, :9]).all()  # text and speak rows untouched
         assert (s.labels == layout.labels).all() and s.sessions == layout.sessions
         assert (s.speaker == layout.speaker).all() and s.noised == noised and s.background == kind
-        assert (kind is None) == (not noised)
+        assert s.snr_db == snr and (kind is None) == (snr is None) == (not noised)
     assert (s.tokens[:, 9:] != layout.tokens[:, 9:]).mean() > 0.3  # not the spliced codes
 
 
 def test_each_user_speaks_at_one_level_per_stream_and_echo_and_noise_are_added(cache, audio):
+    assert sum(bool(_layout(cache, seed, 512).echoes) for seed in range(6)) >= 2  # the echo is in the layouts
     for seed in range(6):
         layout = _layout(cache, seed, 512)
-        x, _ = listen_waveform(layout, audio, np.random.default_rng(seed), noised=False)
+        x, _, _ = listen_waveform(layout, audio, np.random.default_rng(seed), noised=False)
         echo = np.zeros(512, bool)
         for _, _, at, n in layout.echoes:
             echo[at:at + n] = True
@@ -86,10 +87,11 @@ def test_each_user_speaks_at_one_level_per_stream_and_echo_and_noise_are_added(c
         if layout.echoes:
             k, lo, at, n = layout.echoes[0]
             assert np.abs(x[at * FRAME:(at + n) * FRAME]).max() > 10 * FLOOR
-        noisy, kind = listen_waveform(layout, audio, np.random.default_rng(seed), noised=True)
+        noisy, kind, drawn_snr = listen_waveform(layout, audio, np.random.default_rng(seed), noised=True)
         speech = x[np.repeat(layout.speaker >= 0, FRAME)]
         snr = 10 * np.log10(np.mean(speech**2) / np.mean((noisy - x) ** 2))  # same draws up to the noise
         assert -0.01 <= snr <= 20.01, (kind, snr)
+        assert abs(snr - drawn_snr) < 0.5, (kind, snr, drawn_snr)  # the SNR it reports is the one it mixed at
 
 
 def test_the_pool_is_seeded_per_shard_resumes_and_refuses_another_codec(cache, codec, audio, tmp_path, monkeypatch):
@@ -144,7 +146,7 @@ def test_the_one_pass_codes_are_what_the_served_codec_writes_frame_by_frame(cach
     from egomem.codec.mimi import FRAME_SAMPLES, MimiStreamPool
 
     layout = _layout(cache, 1, 160)
-    wave, _ = listen_waveform(layout, audio, np.random.default_rng(2), noised=False)
+    wave, _, _ = listen_waveform(layout, audio, np.random.default_rng(2), noised=False)
     whole = encode(codec, wave)[:160]
     served = MimiStreamPool(codec, max_streams=1)
     served.open(0)

@@ -56,8 +56,9 @@ def _peak_scaled(x: np.ndarray, db: float) -> np.ndarray:
 
 
 def listen_waveform(stream: SynthStream, audio: SourceAudio, rng: np.random.Generator, noised: bool
-                    ) -> tuple[np.ndarray, str | None]:
-    """The listen row of `stream` as 24 kHz audio [T * 1920], and the background's kind (None when clean)."""
+                    ) -> tuple[np.ndarray, str | None, float | None]:
+    """The listen row of `stream` as 24 kHz audio [T * 1920], the background's kind and its SNR to the
+    users' speech in dB (both None when clean)."""
     from egomem.trigger.noise import KINDS, background
 
     T = stream.tokens.shape[0]
@@ -85,23 +86,31 @@ def listen_waveform(stream: SynthStream, audio: SourceAudio, rng: np.random.Gene
         seg = src[lo * FRAME:(lo + n) * FRAME]
         x[at * FRAME:at * FRAME + len(seg)] += seg
     x += rng.standard_normal(len(x)).astype(np.float32) * FLOOR
-    kind = None
+    kind, snr = None, None
     if noised:
         kind = KINDS[int(rng.integers(len(KINDS)))]
-        snr = rng.uniform(*SNR_DB)
+        snr = float(rng.uniform(*SNR_DB))
         x += background(rng, len(x), audio.users, kind=kind) * (speech_rms / 10 ** (snr / 20))
-    return x.astype(np.float32), kind
+    return x.astype(np.float32), kind, snr
 
 
 def encode_listen(stream: SynthStream, audio: SourceAudio, codec, rng: np.random.Generator, noised: bool
                   ) -> SynthStream:
     """A copy of `stream` whose listen row is `listen_waveform` encoded in one pass by `codec`."""
+    wave, kind, snr = listen_waveform(stream, audio, rng, noised)
+    return with_listen_row(stream, codec, wave, kind, snr)
+
+
+def with_listen_row(stream: SynthStream, codec, wave: np.ndarray, background: str | None = None,
+                    snr_db: float | None = None) -> SynthStream:
+    """A copy of `stream` whose listen row is the codes of `wave` (24 kHz, the row's audio) encoded in one
+    pass by `codec`; noised when `background` is given."""
     from egomem.trigger.codec import encode
 
-    wave, kind = listen_waveform(stream, audio, rng, noised)
     tokens = stream.tokens.copy()
     tokens[:, 9:] = encode(codec, wave)[: tokens.shape[0]]
-    return dataclasses.replace(stream, tokens=tokens, noised=noised, background=kind)
+    return dataclasses.replace(stream, tokens=tokens, noised=background is not None, background=background,
+                               snr_db=snr_db)
 
 
 def draw_stream(cache, rng: np.random.Generator, spec, noised: bool, listen: tuple | None = None) -> SynthStream:

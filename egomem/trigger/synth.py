@@ -374,6 +374,7 @@ class SynthStream:
     background: str | None = None  # noised: the kind of the listen row's background clip (noise.KINDS)
     # the assistant's echo on the listen row: (cache.assistant index, its first utterance step, stream step, steps)
     echoes: list[tuple[int, int, int, int]] = field(default_factory=list)
+    snr_db: float | None = None  # noised, listen row encoded whole: the background's SNR to the users' speech
 
 
 def synth_stream(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, noised: bool
@@ -469,7 +470,7 @@ def synth_recorded(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec,
             break
     tokens = np.concatenate([text[:, None], speak.astype(np.int64), listen.astype(np.int64)], axis=1)  # [T,17]
     return SynthStream(tokens, labels, sessions, session_users, speaker, speaker_pos, noised,
-                       noise_clip_kind(clip) if clip is not None else None, echoes)
+                       background=noise_clip_kind(clip) if clip is not None else None, echoes=echoes)
 
 
 def _user_codes(rng: np.random.Generator, src: dict[str, np.ndarray], noised: bool) -> np.ndarray:
