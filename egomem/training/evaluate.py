@@ -48,7 +48,7 @@ from .streams import Stream, StreamLayout, dialog_persons
 from .types import Dialog, Query
 
 TEXT, LISTEN = 0, slice(9, 17)  # the text row and the listen rows of the aligned 17-row stream
-SNR_BAND_DB = 5  # noised Level-1 figures also per band of this many dB of the background's SNR (`by_snr_db`)
+SNR_BAND_DB = 5  # Level 1 also per band of this many dB of the noised copy's background SNR (`by_snr_db`)
 _QUERY_MARKUP = re.compile(r"<retr>.*?(<answer>|$)", re.S)
 
 
