@@ -81,6 +81,19 @@ DEFAULT_CACHE = REPO_ROOT / "tests" / "data" / "trigger" / "heldout_codes.npz"
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "speech"
 
 
+def noise_breakdown(preds: list, golds: list, backgrounds: list, snrs: list) -> dict:
+    """A segmenter's noised metrics per kind of background (`by_background`) and, when every stream knows its
+    SNR (`--listen audio`), per 5 dB band of it (`by_snr_db`)."""
+    def part(keep: list[bool]) -> dict:
+        return evaluate([p for p, k in zip(preds, keep) if k], [g for g, k in zip(golds, keep) if k])
+
+    out = {"by_background": {kind: part([b == kind for b in backgrounds]) for kind in sorted(set(backgrounds))}}
+    if all(v is not None for v in snrs):
+        out["by_snr_db"] = {f"{lo}-{lo + 5}": part([lo <= v < lo + 5 for v in snrs])
+                            for lo in SNR_BANDS_DB if any(lo <= v < lo + 5 for v in snrs)}
+    return out
+
+
 def activity_segmenter(tokens: np.ndarray, merge_gap: int = 38) -> list[tuple[int, int]]:
     """Peer: sessions = runs of channel activity, merged across gaps shorter than `merge_gap` steps."""
     listen = tokens[:, 9:]
@@ -212,15 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
                                     for k, v in out.items()}
         results["metrics"][cond]["trigger+split"]["voice_polls"] = polls
         if noised:  # the trigger alone per kind of background noise (listen_audio's, or synth.noise_clip_kind)
-            results["metrics"][cond]["trigger"]["by_background"] = {
-                kind: evaluate([p for p, b in zip(out["trigger"], backgrounds) if b == kind],
-                               [g for g, b in zip(golds, backgrounds) if b == kind])
-                for kind in sorted(set(backgrounds))}
-            if all(v is not None for v in snrs):  # --listen audio: per 5 dB band of the background's SNR
-                results["metrics"][cond]["trigger"]["by_snr_db"] = {
-                    f"{lo}-{lo + 5}": evaluate([p for p, v in zip(out["trigger"], snrs) if lo <= v < lo + 5],
-                                               [g for g, v in zip(golds, snrs) if lo <= v < lo + 5])
-                    for lo in SNR_BANDS_DB if any(lo <= v < lo + 5 for v in snrs)}
+            results["metrics"][cond]["trigger"] |= noise_breakdown(out["trigger"], golds, backgrounds, snrs)
     for i, (cond, (cspec, noised)) in enumerate(long_conditions.items()):
         rng = np.random.default_rng([args.seed, 20 + i])
         out = {"trigger": [], "trigger_one_pass": [], "activity_peer": []}

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_trigger import DEFAULT_CACHE, DEFAULT_DATA, SNR_BANDS_DB
+from bench_trigger import DEFAULT_CACHE, DEFAULT_DATA, noise_breakdown
 
 from egomem.config import REPO_ROOT, TriggerConfig, load_config
 from egomem.trigger import TriggerLabeler, decode_sessions
@@ -151,12 +151,7 @@ def summarise(preds: dict[str, list], golds: list, kinds: list, snrs: list) -> d
     for name, pred in preds.items():
         m = evaluate(pred, golds) | {"errors@5": error_breakdown(pred, golds, 5)}
         if any(k is not None for k in kinds):
-            m["by_background"] = {k: evaluate([p for p, b in zip(pred, kinds) if b == k],
-                                               [g for g, b in zip(golds, kinds) if b == k])
-                                  for k in sorted(set(kinds))}
-            m["by_snr_db"] = {f"{lo}-{lo + 5}": evaluate([p for p, v in zip(pred, snrs) if lo <= v < lo + 5],
-                                                         [g for g, v in zip(golds, snrs) if lo <= v < lo + 5])
-                              for lo in SNR_BANDS_DB if any(lo <= v < lo + 5 for v in snrs)}
+            m |= noise_breakdown(pred, golds, kinds, snrs)
         out[name] = m
     return out
 

@@ -281,6 +281,11 @@ def _snr(layout: StreamLayout) -> dict[str, float]:
     return {"snr_db": layout.meta["noise_snr_db"]} if "noise_snr_db" in layout.meta else {}
 
 
+def _snr_band(snr_db: float) -> int:
+    """The lower edge of the SNR_BAND_DB-wide band holding `snr_db`."""
+    return int(snr_db // SNR_BAND_DB) * SNR_BAND_DB
+
+
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -298,7 +303,7 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
         reachable = [r["fact_score"] for r in judged if r["reference"]["fact_score"] == 1]
         out[f"l{level}"]["reachable"] = {"fact_score": _mean(reachable), "n": len(reachable)}
     def value(r: dict[str, Any], k: str) -> Any:
-        return int(r["snr_db"] // SNR_BAND_DB) * SNR_BAND_DB if k == "snr_band" else r[k]
+        return _snr_band(r["snr_db"]) if k == "snr_band" else r[k]
 
     def l1(**match: Any) -> dict[str, Any]:
         scored = [r["fact_score"] for r in records if r["level"] == 1 and r["fact_score"] is not None
@@ -311,7 +316,7 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
                               for who in ("first", "new", "same")}
     snrs = [r.get("snr_db") for r in records if r["level"] == 1]
     if snrs and all(v is not None for v in snrs):  # per 5 dB band of the (noised copy's) background SNR
-        bands = sorted({int(v // SNR_BAND_DB) * SNR_BAND_DB for v in snrs})
+        bands = sorted({_snr_band(v) for v in snrs})
         out["l1"]["by_snr_db"] = {
             f"{lo:g}-{lo + SNR_BAND_DB:g}": {"all": l1(snr_band=lo), **{part: l1(snr_band=lo, greeting=g)
                                                                       for part, g in parts}}
