@@ -15,12 +15,17 @@ the five test-other readers.
         halves, scored on the 2 s windows of the second halves (per window);
       * latent_probe: the same on the mean and std of each window's dequantised latent (the codec's
         own codebook vectors of the codes, `decode_latent`: still a function of the codes alone);
-    chance is 1/51 = 2.0 %. The issue's target: the trained codec at least 3x the random one.
+    chance is 1/51 = 2.0 %. The issue's target: the trained codec at least 3x the random one;
+  - code stability under noise (session 58): each held-out cohort utterance under one of the six
+    backgrounds of the noised streams (`egomem.trigger.noise`; babble of the other held-out speakers)
+    at an SNR drawn in each 5 dB band from 0 to 20 dB: the share of its steps whose code equals the
+    code of the clean utterance, per codebook. What a model trained on clean codes can still read.
     SI-SNR is reported as measured; a codec trained on mel losses alone (no adversarial or waveform
     fidelity term, 3,000 CPU steps) reproduces the spectrum, not the phase, so it stays far below 0 dB.
 
     python bench/bench_codec.py --data /work/shared/data/speech      # shipped codec vs random init
     python bench/bench_codec.py --data ... --weights runs/codec.safetensors
+    python bench/bench_codec.py --data ... --peer denoise=runs/codec_denoise/mimi.safetensors   # a third codec
 """
 
 from __future__ import annotations
@@ -150,6 +155,30 @@ def speaker_id(model: torch.nn.Module, users: list[np.ndarray], noised: bool, se
             "latent_probe": round(latent_probe_accuracy(model, enrol, probe), 4)}
 
 
+SNR_BANDS_DB = ((0, 5), (5, 10), (10, 15), (15, 20))
+
+
+def code_stability(model: torch.nn.Module, users: list[np.ndarray], seed: int) -> dict:
+    """Per 5 dB band: per codebook, the share of steps whose code under a background equals the clean code."""
+    from egomem.trigger.noise import KINDS, background
+
+    out = {}
+    for lo, hi in SNR_BANDS_DB:
+        rng = np.random.default_rng([seed, lo])
+        same, steps = np.zeros(8), 0
+        for i, x in enumerate(users):
+            clean = encode(model, x)
+            others = users[:i] + users[i + 1:]
+            kind = KINDS[i % len(KINDS)]
+            rms = np.sqrt(np.mean(x**2))
+            noised = x + background(rng, len(x), others, kind=kind) * rms / 10 ** (rng.uniform(lo, hi) / 20)
+            codes = encode(model, noised.astype(np.float32))
+            same[: codes.shape[1]] += (codes == clean).sum(0)
+            steps += len(codes)
+        out[f"{lo}-{hi}"] = [round(float(v), 4) for v in same[: clean.shape[1]] / steps]
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -157,22 +186,32 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(result["codecs"])
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     measures = ("histogram", "probe", "latent_probe")
     labels = [f"{m}\n{c}" for c in ("clean", "noised") for m in measures]
-    x = np.arange(len(labels))
+    x, w = np.arange(len(labels)), 0.8 / len(names)
     for i, name in enumerate(names):
         s = result["codecs"][name]["speaker_id"]
-        axes[0].bar(x + i * 0.4, [s[c][m] for c in ("clean", "noised") for m in measures], 0.4, label=name)
+        axes[0].bar(x + i * w, [s[c][m] for c in ("clean", "noised") for m in measures], w, label=name)
     axes[0].axhline(1 / 51, color="grey", ls=":", label="chance")
-    axes[0].set_xticks(x + 0.2, labels, rotation=30, fontsize=7)
+    axes[0].set_xticks(x + 0.4 - w / 2, labels, rotation=30, fontsize=7)
     axes[0].set_ylim(0, 0.5)
     axes[0].set_title("speaker from codes (51 held-out speakers)")
     axes[0].legend(loc="upper left", fontsize=7)
     for ax, key, title in ((axes[1], "mel_distance", "log-mel distance (lower better)"),
                            (axes[2], "si_snr_db", "SI-SNR dB (higher better)")):
-        ax.bar(names, [result["codecs"][n]["reconstruction"][key] for n in names], color=["C0", "C1"][:len(names)])
+        ax.bar(names, [result["codecs"][n]["reconstruction"][key] for n in names],
+               color=[f"C{i}" for i in range(len(names))])
         ax.set_title(title)
+        ax.tick_params(axis="x", labelsize=7)
+    for i, name in enumerate(names):
+        bands = result["codecs"][name]["code_stability"]
+        axes[3].plot(list(bands), [v[0] for v in bands.values()], "o-", color=f"C{i}", label=f"{name} codebook 0")
+        axes[3].plot(list(bands), [float(np.mean(v[1:])) for v in bands.values()], "x:", color=f"C{i}",
+                     label=f"{name} codebooks 1-7")
+    axes[3].set_xlabel("background SNR (dB)")
+    axes[3].set_title("codes equal to the clean ones, under noise")
+    axes[3].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -182,12 +221,19 @@ def main() -> None:
     ap.add_argument("--data", type=Path, required=True, help="LibriSpeech root with cohort/ and test-other/")
     ap.add_argument("--weights", type=Path, help="the trained codec (default: the shipped one)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peer", action="append", default=[], metavar="NAME=PATH",
+                    help="another trained codec measured in the same run (repeatable)")
     ap.add_argument("--out", type=Path, default=RESULTS / "bench_codec.json")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     users, assistant = heldout_audio(args.data)
     trained_cfg = MimiConfig(weights=args.weights)
     codecs = {"random_init": MimiConfig(random_init=True), "trained": trained_cfg}
+    for peer in args.peer:
+        name, _, path = peer.partition("=")
+        if not path or name in codecs:
+            ap.error(f"--peer {peer!r}: give NAME=PATH with a new name")
+        codecs[name] = MimiConfig(weights=Path(path))
     result: dict = {"held_out": {"speakers": len(users), "utterances": len(users) + len(assistant),
                                  "minutes": round(sum(map(len, users + assistant)) / 24_000 / 60, 1)},
                     "trained_weights": str(codec_weights(trained_cfg)), "codecs": {}}
@@ -197,6 +243,7 @@ def main() -> None:
         result["codecs"][name] = {
             "reconstruction": reconstruction(model, users + assistant),
             "speaker_id": {cond: speaker_id(model, users, cond == "noised", args.seed) for cond in ("clean", "noised")},
+            "code_stability": code_stability(model, users, args.seed),
             "seconds": round(time.time() - t, 1),
         }
         print(name, json.dumps(result["codecs"][name]))

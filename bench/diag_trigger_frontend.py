@@ -10,22 +10,32 @@ laid out as audio and encoded whole) and labels each with the shipped trigger th
   - vad_onset: the trigger's sessions, each start after a gap moved back to the onset of the Silero VAD
     speech run (the `silero-vad` wheel's ONNX model, 16 kHz) that reaches it, when that onset lies within
     `--snap-back` steps before it (a late start pulled to where speech began).
+  - codec:PATH (session 58): the row encoded by another Mimi (e.g. `bench/diag_robust_encoder.py`'s
+    noise-robust student encoder), the trigger unchanged;
+  - trigger:PATH (session 58): another trigger checkpoint labelling the same row (two recipes on the
+    same streams, e.g. `--codebook-emb frozen` against its peer).
 It also reports, per gold session that opens with the user, how many steps after the gold start Silero
-first hears speech (p >= 0.5) on the clean and on the noised audio: how audible the first words are.
+first hears speech (p >= 0.5) on the clean and on the noised audio: how audible the first words are
+(with `vad_onset` among `--front-ends`).
 Per background kind and per 5 dB band of its SNR, as `bench_trigger.py`'s `by_background` / `by_snr_db`.
-Neither wheel is a dependency of the project: `pip install pyrnnoise silero-vad --no-deps` first.
+Neither wheel is a dependency of the project: `pip install pyrnnoise silero-vad --no-deps` first (only
+for the front ends that use them).
 
     python bench/diag_trigger_frontend.py --streams 200 --clean-streams 100 \
         --out bench/results/diag_trigger_frontend.json
     # or the two conditions in two processes (session 57's figures, ~25 min on this 2-core CPU):
     python bench/diag_trigger_frontend.py --conditions noised --out bench/results/diag_trigger_frontend_noised.json &
     python bench/diag_trigger_frontend.py --conditions clean --out bench/results/diag_trigger_frontend_clean.json
+    # a student encoder instead (session 58):
+    python bench/diag_trigger_frontend.py --front-ends codec:runs/s58/robust/mimi.safetensors --conditions noised \
+        --out bench/results/diag_robust_encoder_trigger_noised.json
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -110,6 +120,13 @@ class SileroSteps:
         return out
 
 
+def other_codec(path: Path):
+    """A Mimi of the tiny preset with `path`'s weights (a student encoder, say), as serving would load it."""
+    if not path.is_file():
+        raise SystemExit(f"codec weights {path} not found (bench/diag_robust_encoder.py writes <out>/mimi.safetensors)")
+    return build_codec(dataclasses.replace(load_config(None).mimi, weights=path))
+
+
 def speech_runs(p: np.ndarray, hole: int = 3) -> list[tuple[int, int]]:
     """Runs of steps with p >= VAD_SPEECH, holes of up to `hole` steps closed."""
     runs: list[list[int]] = []
@@ -166,10 +183,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--conditions", default="clean,noised", help="which to run (two processes can share the work)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--front-ends", default="rnnoise,vad_onset",
+                   help="comma-separated: rnnoise, vad_onset, codec:<Mimi safetensors> (each beside the trigger)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "diag_trigger_frontend.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    denoise, vad = RNNoise(), SileroSteps()
+    front_ends = [f for f in args.front_ends.split(",") if f]
+    unknown = [f for f in front_ends if f not in ("rnnoise", "vad_onset") and not f.startswith(("codec:", "trigger:"))]
+    if unknown:
+        raise SystemExit(f"unknown --front-ends {unknown}; allowed: rnnoise, vad_onset, codec:<path>, trigger:<path>")
+    denoise = RNNoise() if "rnnoise" in front_ends else None
+    vad = SileroSteps() if "vad_onset" in front_ends else None
+    codecs = {f: other_codec(Path(f.split(":", 1)[1])) for f in front_ends if f.startswith("codec:")}
+    triggers = {f: TriggerLabeler(dataclasses.replace(TriggerConfig(), checkpoint=Path(f.split(":", 1)[1])))
+                for f in front_ends if f.startswith("trigger:")}
     tcfg = TriggerConfig()
     labeler = TriggerLabeler(tcfg)
     cache = CodeCache.load(DEFAULT_CACHE)
@@ -177,14 +204,14 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"{args.data}/cohort is missing: pass --data <LibriSpeech root>")
     audio, codec = SourceAudio.load(args.data, "heldout"), build_codec(load_config(None).mimi)
     results: dict = {"checkpoint": str(labeler.checkpoint), "seed": args.seed, "snap_back": args.snap_back,
-                     "vad_speech_threshold": VAD_SPEECH, "conditions": {}}
+                     "vad_speech_threshold": VAD_SPEECH, "front_ends": front_ends, "conditions": {}}
     from tqdm import tqdm
 
     for i, (cond, n) in enumerate((("clean", args.clean_streams), ("noised", args.streams))):
         if cond not in args.conditions.split(","):
             continue
         rng = np.random.default_rng([args.seed, i])  # bench_trigger's conditions: clean 0, noised 1
-        preds: dict[str, list] = {"trigger": [], "rnnoise": [], "vad_onset": []}
+        preds: dict[str, list] = {name: [] for name in ["trigger", *front_ends]}
         golds, kinds, snrs, delays, delays_clean = [], [], [], [], []
         for _ in tqdm(range(n), desc=cond, unit="stream"):
             layout = synth_recorded(cache, rng, StreamSpec(steps=args.stream_steps), noised=False)
@@ -194,22 +221,30 @@ def main(argv: list[str] | None = None) -> dict:
             voices = poll_voices(cache, s)
             pred = decode_sessions(labeler.label(s.tokens, voices))
             preds["trigger"].append(pred)
-            preds["rnnoise"].append(decode_sessions(labeler.label(
-                with_listen_row(layout, codec, denoise(wave), kind, snr).tokens, voices)))
-            speech = vad(wave, s.tokens.shape[0])
-            preds["vad_onset"].append(snap_starts(pred, speech, args.snap_back))
-            delays += onset_delays(s, speech)
-            if cond == "noised":  # the same stream without its background: the onset as spoken
-                again = np.random.default_rng()
-                again.bit_generator.state = before  # the same levels and echo, no background
-                clean_wave, _, _ = listen_waveform(layout, audio, again, False)
-                delays_clean += onset_delays(s, vad(clean_wave, s.tokens.shape[0]))
+            if denoise is not None:
+                preds["rnnoise"].append(decode_sessions(labeler.label(
+                    with_listen_row(layout, codec, denoise(wave), kind, snr).tokens, voices)))
+            for name, other in triggers.items():
+                preds[name].append(decode_sessions(other.label(s.tokens, voices)))
+            for name, other in codecs.items():
+                preds[name].append(decode_sessions(labeler.label(
+                    with_listen_row(layout, other, wave, kind, snr).tokens, voices)))
+            if vad is not None:
+                speech = vad(wave, s.tokens.shape[0])
+                preds["vad_onset"].append(snap_starts(pred, speech, args.snap_back))
+                delays += onset_delays(s, speech)
+                if cond == "noised":  # the same stream without its background: the onset as spoken
+                    again = np.random.default_rng()
+                    again.bit_generator.state = before  # the same levels and echo, no background
+                    clean_wave, _, _ = listen_waveform(layout, audio, again, False)
+                    delays_clean += onset_delays(s, vad(clean_wave, s.tokens.shape[0]))
             golds.append(s.sessions)
             kinds.append(kind)
             snrs.append(snr)
         c = summarise(preds, golds, kinds, snrs)
-        c["silero_onset_delay_steps"] = {"median": float(np.median(delays)), "share_over_5": float(np.mean(
-            np.asarray(delays) > 5)), "sessions": len(delays)}
+        if delays:
+            c["silero_onset_delay_steps"] = {"median": float(np.median(delays)), "share_over_5": float(np.mean(
+                np.asarray(delays) > 5)), "sessions": len(delays)}
         if delays_clean:
             c["silero_onset_delay_steps_without_background"] = {
                 "median": float(np.median(delays_clean)), "share_over_5": float(np.mean(np.asarray(delays_clean) > 5))}
@@ -218,8 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
             if name in preds:
                 print(f"{cond:7} {name:10} Jaccard {m['jaccard']:.3f} F1@0 {m['span_match@0']['f1']:.3f} "
                       f"F1@5 {m['span_match@5']['f1']:.3f} F1@10 {m['span_match@10']['f1']:.3f}")
-        print(cond, "Silero onset delay", c["silero_onset_delay_steps"],
-              c.get("silero_onset_delay_steps_without_background", ""))
+        if delays:
+            print(cond, "Silero onset delay", c["silero_onset_delay_steps"],
+                  c.get("silero_onset_delay_steps_without_background", ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     return results

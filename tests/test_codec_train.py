@@ -118,3 +118,47 @@ def test_the_default_codec_is_the_shipped_trained_one(crops):
     x = speech(crops)
     trained, random = encode(build_mimi(MimiConfig()), x), encode(build_mimi(MimiConfig(random_init=True)), x)
     assert (trained != random).mean() > 0.5
+
+
+# ---------------------------------------------------------------- a denoising codec (session 58)
+
+
+def test_each_crop_comes_with_itself_without_its_noise(crops):
+    rng = np.random.default_rng(3)
+    x, _, clean = crops.batch(rng, 12, 8, noise_p=0.5, stream_noise=True)
+    noised = [not torch.equal(a, b) for a, b in zip(x, clean)]
+    assert 0 < sum(noised) < 12  # about half the crops carry noise, the others are their clean copy
+    for a, b, n in zip(x, clean, noised):
+        if n:
+            snr = 10 * torch.log10(b.pow(2).mean() / (a - b).pow(2).mean())
+            assert -1.0 < snr < 21.0, snr  # 0-20 dB to the crop's own speech (clipping moves it a little)
+    x, _, clean = crops.batch(np.random.default_rng(3), 4, 8, noise_p=0.0)
+    assert torch.equal(x, clean)
+
+
+def test_a_denoising_fine_tune_starts_from_the_given_codec_and_keeps_its_codebooks(crops, tmp_path):
+    cfg = CodecTrainConfig(**{**CFG.key(), "warmup_steps": 0, "steps": 2, "noise_p": 1.0, "denoise": 1,
+                              "consistency_weight": 1.0, "stream_noise": 1, "init_weights": str(SHIPPED_TINY_CODEC)})
+    t = CodecTrainer(cfg, crops, tmp_path)
+    x = speech(crops)
+    np.testing.assert_array_equal(encode(t.model.eval(), x), encode(build_mimi(MimiConfig()), x))
+    t.model.train()
+    before = [layer._codebook.embedding.clone() for _, layers in codebooks(t.model) for layer in layers]
+    run(t, 1)
+    after = [layer._codebook.embedding for _, layers in codebooks(t.model) for layer in layers]
+    drift = max(float((a - b).norm() / b.norm()) for a, b in zip(after, before))
+    assert drift < 0.05, drift  # EMA updates only: k-means at step 0 would have replaced every codebook
+    assert t.history[0]["consistency"] > 0  # a noised crop's first-codebook input differs from the clean one's
+
+
+def test_the_denoising_targets_are_the_clean_crops(crops, tmp_path):
+    base = {**CFG.key(), "warmup_steps": 0, "steps": 1, "init_weights": str(SHIPPED_TINY_CODEC)}
+    mel = {}
+    for noise_p, denoise in ((1.0, 0), (1.0, 1), (0.0, 0), (0.0, 1)):
+        t = CodecTrainer(CodecTrainConfig(**{**base, "noise_p": noise_p, "denoise": denoise}), crops,
+                         tmp_path / f"{noise_p}-{denoise}")
+        run(t, 1)
+        mel[noise_p, denoise] = t.history[0]["mel"]
+        assert t.history[0]["consistency"] == 0.0  # off unless weighted
+    assert mel[1.0, 0] != mel[1.0, 1]  # noised crops: reconstructing the clean crop is another loss
+    assert mel[0.0, 0] == mel[0.0, 1]  # clean crops: the same target either way

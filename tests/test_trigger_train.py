@@ -184,6 +184,12 @@ def test_cli_needs_data_to_build_a_missing_cache(tmp_path):
         main(["--cache-dir", str(tmp_path), "--out", str(tmp_path / "t.safetensors"), "--steps", "1"])
 
 
+def test_a_run_of_no_steps_is_refused_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--cache-dir", str(tmp_path), "--steps", "0"])
+    assert "--steps must be at least 1" in capsys.readouterr().err
+
+
 def test_the_text_channel_is_a_real_monologue_inside_sessions(cache):
     """Text tokens are the split's corpus lines (byte-tokenised), written only inside gold sessions."""
     from egomem.trigger.synth import monologue_lines
@@ -225,3 +231,37 @@ def test_noise_kinds_are_unit_level_and_differ():
         background(rng, 100, None, kind="babble")
     with pytest.raises(ValueError, match="unknown noise kind"):
         background(rng, 100, speech, kind="jazz")
+
+
+def test_audio_embeddings_can_follow_the_codec_codebooks(cache, tmp_path):
+    """`--codebook-emb`: each code's embedding starts as its centroid's principal components (neighbouring
+    centroids, neighbouring embeddings), the same table for speak and listen; `frozen` keeps it through
+    training, and a resume with another choice is refused."""
+    from egomem.codec.mimi import build_mimi
+    from egomem.config import MimiConfig
+    from egomem.trigger.codec import codebook_vectors
+    from egomem.trigger.train import init_audio_emb_from_codebooks
+
+    torch.set_num_threads(1)
+    vectors = codebook_vectors(build_mimi(MimiConfig()))
+    assert vectors.shape == (8, 2048, 64)
+    model = make_model(TriggerConfig(**{**TINY.__dict__, "emb_rank": 48}), seed=0)
+    init_audio_emb_from_codebooks(model, vectors, freeze=True)
+    emb = model.audio_emb.detach()
+    torch.testing.assert_close(emb[0, :2048], emb[8, :2048])  # speak codebook 0 = listen codebook 0
+    rows = torch.arange(0, 2048, 16)
+    for k in (0, 3):  # pairwise distances of the embeddings follow those of the centroids
+        d_emb = torch.cdist(emb[k, rows], emb[k, rows]).flatten()
+        d_cb = torch.cdist(vectors[k, rows], vectors[k, rows]).flatten()
+        assert torch.corrcoef(torch.stack([d_emb, d_cb]))[0, 1] > 0.9
+    assert not model.audio_emb.requires_grad
+    kw = dict(steps=3, batch=2, stream_steps=128, lr=3e-3, seed=1, progress=False)
+    ckpt, proj = tmp_path / "last.pt", model.audio_proj.detach().clone()
+    fit(model, cache, ckpt=ckpt, codebook_emb="frozen", **kw)
+    torch.testing.assert_close(model.audio_emb.detach(), emb)  # frozen: no optimiser step moved it
+    assert not torch.equal(model.audio_proj.detach(), proj)  # while its projections trained
+    with pytest.raises(SystemExit, match="codebook-emb"):
+        fit(make_model(TriggerConfig(**{**TINY.__dict__, "emb_rank": 48}), seed=0), cache, ckpt=ckpt,
+            codebook_emb="init", **{**kw, "steps": 3})
+    with pytest.raises(ValueError, match="do not fit"):
+        init_audio_emb_from_codebooks(model, vectors[:4], freeze=False)

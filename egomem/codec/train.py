@@ -29,6 +29,17 @@ other root contributes all its `*.flac`/`*.wav`. Crops get random level, and 30 
 noise at 0-20 dB SNR (coloured noise or babble of other training speakers) — the codec must code
 the noised streams the trigger sees.
 
+**A codec that hears through noise** (session 58, not shipped). The trained codec's codes do not survive
+noise: on held-out speech under the noised streams' backgrounds only 1-10 % of first-codebook codes equal the
+codes of the same clean speech (0-20 dB; `bench/bench_codec.py`, code stability), so every model that reads
+them learns the noised condition as a second code language. `--denoise 1` makes a noised crop's
+reconstruction (and frame-mel) target the crop without its noise, `--consistency-weight W` pulls the inputs
+of the first codebooks for the noised crop to those of the clean one (stop-gradient), `--stream-noise 1`
+draws the six background kinds of the noised streams (`egomem.trigger.noise`) instead of coloured noise and
+two-voice babble, and `--init-weights F` fine-tunes a trained codec (its input scaling and k-means codebooks
+kept; pass `--warmup-steps 0`). A codec's codes change with it: the trigger and the dialog model must be
+retrained on its codes before it can serve (docs/trigger.md, "Codes under noise").
+
 Seeded and resumable: batch s is drawn from rng([seed, s]) and the torch/quantiser RNGs are reseeded
 per step, so a resumed run equals an uninterrupted one. The shipped checkpoint is made by
 
@@ -79,6 +90,12 @@ class CodecTrainConfig:
     waveform_weight: float = 0.1
     commit_weight: float = 1.0
     kmeans_frames: int = 40_000  # latent frames the codebooks are k-means-initialised on (~20 per centroid)
+    # A denoising codec (session 58; "A codec that hears through noise" in the module docstring). Defaults: off,
+    # so the shipped codec's command reproduces it.
+    denoise: int = 0  # 1: a noised crop's reconstruction and frame-mel targets are the crop without its noise
+    consistency_weight: float = 0.0  # pull the first codebooks' input for a noised crop to the clean crop's
+    stream_noise: int = 0  # 1: noise of the six kinds the noised streams carry (egomem.trigger.noise)
+    init_weights: str = ""  # start from a trained codec (no input scaling, no k-means; use --warmup-steps 0)
 
     def key(self) -> dict:
         return dict(vars(self))
@@ -142,18 +159,26 @@ class SpeechCrops:
         s = int(rng.integers(0, len(a) - n))
         return a[s:s + n], u
 
-    def batch(self, rng: np.random.Generator, batch: int, frames: int, noise_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(audio [B, 1, frames*1920], GE2E targets [B, 256]) for one step."""
+    def batch(self, rng: np.random.Generator, batch: int, frames: int, noise_p: float, stream_noise: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(audio [B, 1, frames*1920], GE2E targets [B, 256], the same audio without its noise) for one step.
+
+        `stream_noise`: the noise is one of the noised streams' six kinds (`egomem.trigger.noise`, babble of
+        training utterances), else coloured noise or two-voice babble as the shipped codec trained on."""
+        from egomem.trigger.noise import background
         from egomem.trigger.synth import make_noise
 
         n = frames * FRAME_SAMPLES
-        xs, vs = [], []
+        xs, vs, cleans = [], [], []
         for _ in range(batch):
             x, u = self._crop(rng, n)
             x = x * 10 ** rng.uniform(-1.3, -0.1)  # peak level -26..-2 dBFS
+            cleans.append(np.clip(x, -1, 1))
             if rng.random() < noise_p:
                 rms = np.sqrt(np.mean(x**2)) + 1e-9
-                if rng.random() < 0.5:
+                if stream_noise:
+                    noise = background(rng, n, self.audio)
+                elif rng.random() < 0.5:
                     noise = make_noise(rng, n)
                 else:  # babble: two other training utterances
                     noise = sum(self._crop(rng, n)[0] for _ in range(2))
@@ -161,7 +186,8 @@ class SpeechCrops:
                 x = x + noise * rms / 10 ** (rng.uniform(0, 20) / 20)
             xs.append(np.clip(x, -1, 1))
             vs.append(self.voices[u])
-        return torch.from_numpy(np.stack(xs)[:, None].astype(np.float32)), torch.from_numpy(np.stack(vs))
+        as_batch = lambda a: torch.from_numpy(np.stack(a)[:, None].astype(np.float32))  # noqa: E731
+        return as_batch(xs), torch.from_numpy(np.stack(vs)), as_batch(cleans)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,7 +272,7 @@ def kmeans_init(model: torch.nn.Module, crops: SpeechCrops, cfg: CodecTrainConfi
     n_batches = -(-cfg.kmeans_frames // (cfg.batch * cfg.crop_frames))
     model.eval()
     for _ in tqdm(range(n_batches), desc="latents for k-means", disable=not progress):
-        x, _ = crops.batch(rng, cfg.batch, cfg.crop_frames, cfg.noise_p)
+        x, _, _ = crops.batch(rng, cfg.batch, cfg.crop_frames, cfg.noise_p)
         latents.append(model._encode_to_unquantized_latent(x))  # [B, D, T]
     emb = torch.cat(latents, 0)
     torch.manual_seed(cfg.seed)  # _run_kmeans samples its starting means with torch's global RNG
@@ -275,7 +301,7 @@ def scale_input_conv(model: torch.nn.Module, crops: SpeechCrops, cfg: CodecTrain
     latent at chance after 700 steps; 14 % after 200 with this scaling). Scaling every convolution
     (LSUV) was tried too and learnt slower (its decoder starts far too loud)."""
     conv = model.encoder.model[0].conv.conv
-    x, _ = crops.batch(np.random.default_rng([cfg.seed, 2, 0]), cfg.batch, cfg.crop_frames, cfg.noise_p)
+    x, _, _ = crops.batch(np.random.default_rng([cfg.seed, 2, 0]), cfg.batch, cfg.crop_frames, cfg.noise_p)
     signal = torch.nn.functional.conv1d(x, conv.weight)  # the input-driven part, no bias
     factor = float(1.0 / (signal.std() + 1e-9))
     conv.weight.mul_(factor)
@@ -303,8 +329,11 @@ class CodecTrainer:
         if mimi.preset != "tiny":
             log.warning("training the '%s' Mimi preset on a CPU takes far longer than 'tiny' (about an hour)", mimi.preset)
         torch.manual_seed(cfg.seed)
+        if cfg.init_weights:  # fine-tune a trained codec: its input scaling and codebooks are kept
+            mimi = MimiConfig(**{**vars(mimi), "weights": Path(cfg.init_weights), "random_init": False})
         self.model = build_mimi(mimi).train()
-        scale_input_conv(self.model, crops, cfg)
+        if not cfg.init_weights:
+            scale_input_conv(self.model, crops, cfg)
         dim = self.model.quantizer.rvq_first.output_dimension
         self.heads = torch.nn.ModuleDict({"speaker": torch.nn.Linear(dim, crops.voices.shape[1]),
                                           "frame_mel": torch.nn.Linear(dim, N_MELS)})
@@ -346,7 +375,7 @@ class CodecTrainer:
 
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
-        if step == cfg.warmup_steps:
+        if step == cfg.warmup_steps and not cfg.init_weights:
             kmeans_init(self.model, self.crops, cfg, progress=False)
         if step < cfg.warmup_steps:
             set_quantization(self.model, 1.0, q_dropout=False)
@@ -358,26 +387,35 @@ class CodecTrainer:
         self.model.quantizer.rvq_rest.rng_dropout.seed(cfg.seed * 1_000_003 + step)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        x, voice = self.crops.batch(np.random.default_rng([cfg.seed, step]), cfg.batch, cfg.crop_frames, cfg.noise_p)
+        x, voice, clean = self.crops.batch(np.random.default_rng([cfg.seed, step]), cfg.batch, cfg.crop_frames,
+                                           cfg.noise_p, bool(cfg.stream_noise))
+        target = clean if cfg.denoise else x
         emb = self.model._encode_to_unquantized_latent(x)
         q = self.model.quantizer(emb, self.model.frame_rate)
         y = self._decode(q.x)
-        mel = self.mel(y, x)
-        wav = (y - x).abs().mean()
+        mel = self.mel(y, target)
+        wav = (y - target).abs().mean()
         frames = q.x.transpose(1, 2)  # [B, T, D]: every frame's quantised latent
         spk = 1 - F.cosine_similarity(self.heads["speaker"](frames), voice[:, None, :], dim=-1).mean()
-        frame_mel = (self.heads["frame_mel"](frames) - self.frame_mel(x)).abs().mean()
+        frame_mel = (self.heads["frame_mel"](frames) - self.frame_mel(target)).abs().mean()
         commit = q.penalty if q.penalty is not None else y.new_zeros(())
         commit_weight = cfg.commit_weight if step >= cfg.warmup_steps else 0.0  # no pull to unfit codebooks
+        consistency = y.new_zeros(())
+        if cfg.consistency_weight:  # the first codebooks' inputs of the noised crop -> those of the clean one
+            with torch.no_grad():
+                emb_clean = self.model._encode_to_unquantized_latent(clean)
+            for rvq, _ in codebooks(self.model):
+                ref = rvq.input_proj(emb_clean)
+                consistency = consistency + F.mse_loss(rvq.input_proj(emb), ref) / (ref.var() + 1e-9)
         loss = (mel + cfg.waveform_weight * wav + cfg.speaker_weight * spk + cfg.frame_mel_weight * frame_mel
-                + commit_weight * commit)
+                + commit_weight * commit + cfg.consistency_weight * consistency)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
         self.step += 1
         rec = {"step": self.step, "loss": loss.item(), "mel": mel.item(), "wav": wav.item(), "speaker": spk.item(),
-               "frame_mel": frame_mel.item(), "commit": commit.item()}
+               "frame_mel": frame_mel.item(), "commit": commit.item(), "consistency": consistency.item()}
         self.history.append(rec)
         return rec
 

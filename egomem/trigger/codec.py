@@ -77,3 +77,13 @@ def encode(model: torch.nn.Module, audio: np.ndarray) -> np.ndarray:
 def codec_fingerprint(model: torch.nn.Module) -> str:
     """Short hash of the codes of a fixed probe signal: equal fingerprints = same tokeniser."""
     return hashlib.sha256(_probe_codes(model).tobytes()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def codebook_vectors(model: torch.nn.Module) -> torch.Tensor:
+    """[8, 2048, d]: each codebook's centroids in its quantiser's space (codebook 0 = `rvq_first`, 1-7 =
+    `rvq_rest`'s levels), i.e. what a code stands for. Neighbouring centroids are similar audio, which the
+    code ids alone do not say."""
+    q = model.quantizer
+    layers = [*q.rvq_first.vq.layers, *q.rvq_rest.vq.layers]
+    return torch.stack([layer._codebook.embedding.detach().float() for layer in layers])

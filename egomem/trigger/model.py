@@ -10,7 +10,8 @@ Labels: 0 no dialog, 1 start of a user's session, 2 in session, 3 end of session
 
 Deviations from a full-size model, and why:
   - audio embeddings are low rank (moshi's `ScaledEmbedding(low_rank=...)`) and text ids are hashed
-    into `text_buckets` rows, so the shipped checkpoint stays under 5 MB;
+    into `text_buckets` rows, so the shipped checkpoint stays under 5 MB (training may set the audio
+    tables from the codec's codebook centroids: `train.init_audio_emb_from_codebooks`);
   - no absolute positions: dilated depthwise convolutions give relative order (a few seconds) and
     attention is position-free, so a model trained on ~1,000-step streams runs unchanged on 8,192-step chunks.
 """

@@ -29,6 +29,10 @@ pool), so the pool was doubled.
 Training: ≈35 min on a 2-core CPU alone (one torch thread; 59 min beside a fine-tune); the pool the first
 time: ≈1 h of one core (`python -m egomem.trigger.listen_audio --data ... --shards 0:16` and `16:32`
 build its halves in two processes); the code cache: ≈5 min idle (≈20 min shared).
+`--codebook-emb frozen` (session 58, not in the shipped recipe yet) sets each audio code's embedding from its
+codebook centroid and keeps it fixed (`init_audio_emb_from_codebooks`): at a quarter of the pool and half the
+steps it gained 0.09 noised and 0.05 clean F1@5 over the same recipe without it (docs/trigger.md, "Codes under
+noise").
 Rerunning the command after a kill resumes from `--ckpt-dir` (and from the pool shards already built).
 For real Mimi weights set `mimi.weights` in the config (`--config`) and run the same command.
 """
@@ -90,6 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="weight of an auxiliary loss (training only): on every step of user speech, is this "
                         "another user than the one who spoke before? (a second head; not in the checkpoint; "
                         "0 turns it off)")
+    p.add_argument("--codebook-emb", choices=CODEBOOK_EMB, default="off",
+                   help="audio code embeddings from the codec's codebook centroids (init_audio_emb_from_codebooks): "
+                        "off (random init, as shipped), init (a start), frozen (fixed)")
     p.add_argument("--activity-weight", type=float, default=0.0,
                    help="weight of an auxiliary loss (training only): on every step, is a user speaking on the "
                         "listen row? A dense signal for where speech starts under noise, where the label loss "
@@ -112,7 +119,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "built once into --cache-dir from --data); 0: listen rows spliced from cached codes")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: fastest on a shared 2-core machine, and reproducible; 0: torch's default)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    return args
 
 
 def load_or_build_cache(args: argparse.Namespace, mimi_cfg, split: str) -> CodeCache:
@@ -189,6 +199,33 @@ def augment_codes(tokens: np.ndarray, rng: np.random.Generator, p: float) -> np.
     return out
 
 
+CODEBOOK_EMB = ("off", "init", "frozen")
+
+
+@torch.no_grad()
+def init_audio_emb_from_codebooks(model: TriggerModel, vectors: torch.Tensor, freeze: bool) -> None:
+    """Set every audio code's low-rank embedding to the top principal components of its codebook centroid.
+
+    `vectors` [8, 2048, d] (`codec.codebook_vectors`), used for both the speak and the listen codebooks (one
+    codec). Noise moves a frame's latent a little and the trained codec's dense codebooks then write another
+    code, nearly always (bench/bench_codec.py, code stability): embeddings that follow the centroids keep
+    such codes close. `freeze`: the tables stay fixed (each codebook's embedding is then a linear function of
+    the dequantised latent, through its trainable projection); else they are a starting point only."""
+    K, card, rank = model.audio_emb.shape[0], vectors.shape[1], model.cfg.emb_rank
+    if vectors.shape[0] * 2 != K or card != model.cfg.audio_card:
+        raise ValueError(f"codebook vectors {tuple(vectors.shape)} do not fit the trigger's {K} audio tokens of "
+                         f"{model.cfg.audio_card} codes")
+    for k in range(vectors.shape[0]):
+        centred = vectors[k] - vectors[k].mean(0)
+        _, _, vt = torch.linalg.svd(centred, full_matrices=False)
+        emb = centred @ vt[:rank].T  # [2048, rank] (fewer columns if the centroids have fewer dims)
+        emb = emb / (emb.std() + 1e-9)  # the scale of the default init (unit normal)
+        for half in (0, vectors.shape[0]):  # speak codebook k and listen codebook k
+            model.audio_emb[half + k, :card, : emb.shape[1]] = emb
+            model.audio_emb[half + k, :card, emb.shape[1]:] = 0.0
+    model.audio_emb.requires_grad_(not freeze)
+
+
 def make_model(t, seed: int, voice_window_steps: int = 38, dropout: float = 0.0) -> TriggerModel:
     """A fresh trigger network with the dims of a TriggerConfig section, seeded; `voice_window_steps`:
     how many steps one voice poll covers (orchestrator.identify_window_s / 80 ms, rounded up)."""
@@ -204,7 +241,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         stop_after: int | None = None, progress: bool = True, max_stream_steps: int | None = None,
         long_p: float = 0.0, voice_change_weight: float = 0.0, drop_track_p: float = 0.0,
         drop_poll_p: float = 0.0, code_aug_p: float = 0.0, pool: list[SynthStream] | None = None,
-        activity_weight: float = 0.0) -> list[float]:
+        activity_weight: float = 0.0, codebook_emb: str = "off") -> list[float]:
     """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
 
     A share `long_p` of the steps trains on ONE stream of 1024..`max_stream_steps` steps instead of
@@ -221,6 +258,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     A model with `voice_dim` > 0 also reads each stream's voice track (`track_features`), the whole
     track dropped with `drop_track_p` and each poll with `drop_poll_p`, so it labels without one too.
     `code_aug_p` > 0 replaces that share of the fine audio codes by random ones (`augment_codes`).
+    `codebook_emb` names how the caller initialised the audio embeddings (`init_audio_emb_from_codebooks`;
+    a resume refuses another), and a frozen table stays out of the optimiser.
 
     With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
     `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
@@ -235,7 +274,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     voice_head = torch.nn.Linear(model.cfg.dim, 2) if voice_change_weight > 0 else None
     activity_head = torch.nn.Linear(model.cfg.dim, 2) if activity_weight > 0 else None
     heads = {"voice_head": voice_head, "activity_head": activity_head}  # training-only, saved in the state by name
-    params = [*model.parameters(), *(p for h in heads.values() if h is not None for p in h.parameters())]
+    params = [p for p in model.parameters() if p.requires_grad]
+    params += [p for h in heads.values() if h is not None for p in h.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -245,13 +285,13 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         made = (state["model_cfg"], state["seed"], state.get("total_steps"), state.get("voice_change_weight", 0.0),
                 state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0), state.get("code_aug_p", 0.0),
-                state.get("pool_streams", 0), state.get("activity_weight", 0.0))
+                state.get("pool_streams", 0), state.get("activity_weight", 0.0), state.get("codebook_emb", "off"))
         old_cfg = {**TriggerModelConfig().to_dict(), **made[0]}  # a state saved before a config field existed
         if (old_cfg, *made[1:]) != (model.cfg.to_dict(), seed, steps, voice_change_weight, drop_track_p, drop_poll_p,
-                                    code_aug_p, len(pool or []), activity_weight):
+                                    code_aug_p, len(pool or []), activity_weight, codebook_emb):
             raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight, "
-                             f"voice dropout, --code-aug-p, --listen-pool or --activity-weight; pass --no-resume or "
-                             f"another --ckpt-dir")
+                             f"voice dropout, --code-aug-p, --listen-pool, --activity-weight or --codebook-emb; pass "
+                             f"--no-resume or another --ckpt-dir")
         model.load_state_dict(state["model"])
         for name, h in heads.items():
             if h is not None:
@@ -311,6 +351,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
                         "total_steps": steps, "voice_change_weight": voice_change_weight,
                         "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p, "code_aug_p": code_aug_p,
                         "pool_streams": len(pool or []), "activity_weight": activity_weight,
+                        "codebook_emb": codebook_emb,
                         **{name: h.state_dict() if h is not None else None for name, h in heads.items()}}, tmp)
             tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
     model.eval()
@@ -337,6 +378,10 @@ def train(args: argparse.Namespace) -> dict:
                         seed=args.seed)
         pool = load_or_build_pool(args.cache_dir, train_cache, codec, spec, args.data)
         listen = (SourceAudio.load(args.data, "heldout"), codec)
+    if args.codebook_emb != "off":
+        from egomem.trigger.codec import build_codec, codebook_vectors
+
+        init_audio_emb_from_codebooks(model, codebook_vectors(build_codec(cfg.mimi)), args.codebook_emb == "frozen")
     ckpt = args.ckpt_dir / "last.pt"
     t0 = time.time()
     losses = fit(model, train_cache, steps=args.steps, batch=args.batch, stream_steps=args.stream_steps, lr=args.lr,
@@ -344,7 +389,7 @@ def train(args: argparse.Namespace) -> dict:
                  max_stream_steps=args.max_stream_steps, long_p=args.long_p,
                  voice_change_weight=args.voice_change_weight, drop_track_p=args.drop_track_p,
                  drop_poll_p=args.drop_poll_p, code_aug_p=args.code_aug_p, pool=pool,
-                 activity_weight=args.activity_weight)
+                 activity_weight=args.activity_weight, codebook_emb=args.codebook_emb)
     train_s = time.time() - t0
     from egomem.trigger.codec import build_codec, codec_fingerprint
 
