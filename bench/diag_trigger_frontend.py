@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--conditions", default="clean,noised", help="which to run (two processes can share the work)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--front-ends", default="rnnoise,vad_onset",
-                   help="comma-separated: rnnoise, vad_onset, codec:<Mimi safetensors> (each beside the trigger)")
+                   help="comma-separated: rnnoise, vad_onset, codec:<Mimi safetensors>, trigger:<checkpoint> "
+                        "(each beside the shipped trigger)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "diag_trigger_frontend.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

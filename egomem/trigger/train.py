@@ -209,8 +209,9 @@ def init_audio_emb_from_codebooks(model: TriggerModel, vectors: torch.Tensor, fr
     `vectors` [8, 2048, d] (`codec.codebook_vectors`), used for both the speak and the listen codebooks (one
     codec). Noise moves a frame's latent a little and the trained codec's dense codebooks then write another
     code, nearly always (bench/bench_codec.py, code stability): embeddings that follow the centroids keep
-    such codes close. `freeze`: the tables stay fixed (each codebook's embedding is then a linear function of
-    the dequantised latent, through its trainable projection); else they are a starting point only."""
+    such codes close. `freeze`: the tables stay fixed (each codebook's contribution is then a trainable linear
+    map of its code's centroid, top `emb_rank` components); else they are a starting point only. The
+    start-of-stream token (id 2048) keeps its random row."""
     K, card, rank = model.audio_emb.shape[0], vectors.shape[1], model.cfg.emb_rank
     if vectors.shape[0] * 2 != K or card != model.cfg.audio_card:
         raise ValueError(f"codebook vectors {tuple(vectors.shape)} do not fit the trigger's {K} audio tokens of "
