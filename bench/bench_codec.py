@@ -155,11 +155,9 @@ def speaker_id(model: torch.nn.Module, users: list[np.ndarray], noised: bool, se
             "latent_probe": round(latent_probe_accuracy(model, enrol, probe), 4)}
 
 
-SNR_BANDS_DB = ((0, 5), (5, 10), (10, 15), (15, 20))
-
-
 def code_stability(model: torch.nn.Module, users: list[np.ndarray], seed: int) -> dict:
     """Per 5 dB band: per codebook, the share of steps whose code under a background equals the clean code."""
+    from egomem.trigger.listen_audio import SNR_BANDS_DB
     from egomem.trigger.noise import KINDS, background
 
     out = {}

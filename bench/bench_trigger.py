@@ -64,7 +64,7 @@ from egomem.identity.snorm import AdaptiveSNorm, default_cohort_file
 from egomem.trigger import TriggerLabeler, decode_sessions
 from egomem.trigger.decode import configured_decode
 from egomem.trigger.identity_split import SplitRule, split_sessions
-from egomem.trigger.listen_audio import draw_stream
+from egomem.trigger.listen_audio import SNR_BANDS_DB, draw_stream
 from egomem.trigger.metrics import SHIPPED_BAR, error_breakdown, evaluate, meets_bar
 from egomem.trigger.synth import (
     N_TRAIN_USERS,
@@ -76,7 +76,6 @@ from egomem.trigger.synth import (
     synth_recorded,
 )
 
-SNR_BANDS_DB = (0, 5, 10, 15)  # the noised copies' background is drawn at 0-20 dB SNR (listen_audio.SNR_DB)
 DEFAULT_CACHE = REPO_ROOT / "tests" / "data" / "trigger" / "heldout_codes.npz"
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "speech"
 
@@ -89,8 +88,8 @@ def noise_breakdown(preds: list, golds: list, backgrounds: list, snrs: list) -> 
 
     out = {"by_background": {kind: part([b == kind for b in backgrounds]) for kind in sorted(set(backgrounds))}}
     if all(v is not None for v in snrs):
-        out["by_snr_db"] = {f"{lo}-{lo + 5}": part([lo <= v < lo + 5 for v in snrs])
-                            for lo in SNR_BANDS_DB if any(lo <= v < lo + 5 for v in snrs)}
+        out["by_snr_db"] = {f"{lo}-{hi}": part([lo <= v < hi for v in snrs])
+                            for lo, hi in SNR_BANDS_DB if any(lo <= v < hi for v in snrs)}
     return out
 
 

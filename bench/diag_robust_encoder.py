@@ -49,20 +49,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from egomem.codec.mimi import FRAME_SAMPLES
-from egomem.codec.train import save_codec
+from egomem.codec.train import codebooks, save_codec
 from egomem.config import REPO_ROOT, load_config
-from egomem.trigger.codec import build_codec, codec_fingerprint
-from egomem.trigger.listen_audio import ECHO_GAIN, FLOOR, LEVEL_DB, SNR_DB, SourceAudio
+from egomem.trigger.codec import build_codec, codec_fingerprint, encode
+from egomem.trigger.listen_audio import ECHO_GAIN, FLOOR, LEVEL_DB, SNR_BANDS_DB, SNR_DB, SourceAudio, _peak_scaled
 from egomem.trigger.noise import KINDS, background
 
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "speech"
-SNR_BANDS = ((0, 5), (5, 10), (10, 15), (15, 20))
-
-
-def _peak(x: np.ndarray, db: float) -> np.ndarray:
-    return x * (10 ** (db / 20) / (np.abs(x).max() + 1e-9))
-
-
 def listen_crop(rng: np.random.Generator, audio: SourceAudio, n: int, speech_p: float = 0.85,
                 echo_p: float = 0.5, snr_db: float | None = None) -> tuple[np.ndarray, np.ndarray, str, float]:
     """(clean, noised, background kind, SNR dB): one crop of `n` samples laid out as a listen row."""
@@ -70,7 +63,7 @@ def listen_crop(rng: np.random.Generator, audio: SourceAudio, n: int, speech_p: 
     speech = np.zeros(n, bool)
     if rng.random() < speech_p:
         u = audio.users[int(rng.integers(len(audio.users)))]
-        u = _peak(u, rng.uniform(*LEVEL_DB))
+        u = _peak_scaled(u, rng.uniform(*LEVEL_DB))
         length = int(rng.integers(min(len(u), n) // 3, min(len(u), n) + 1))
         a = int(rng.integers(0, len(u) - length + 1))
         at = int(rng.integers(0, n - length + 1))
@@ -78,7 +71,7 @@ def listen_crop(rng: np.random.Generator, audio: SourceAudio, n: int, speech_p: 
         speech[at:at + length] = True
     if rng.random() < echo_p:
         e = audio.assistant[int(rng.integers(len(audio.assistant)))]
-        e = _peak(e, rng.uniform(*LEVEL_DB)) * rng.uniform(*ECHO_GAIN)
+        e = _peak_scaled(e, rng.uniform(*LEVEL_DB)) * rng.uniform(*ECHO_GAIN)
         length = min(len(e), int(rng.integers(n // 4, n + 1)))
         at = int(rng.integers(0, n - length + 1))
         clean[at:at + length] += e[:length]
@@ -98,8 +91,7 @@ def batch(rng: np.random.Generator, audio: SourceAudio, size: int, frames: int) 
 
 def first_codebooks(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
     """(input projection, first VQ layer) of `rvq_first` and `rvq_rest`: codebooks 0 and 1."""
-    q = model.quantizer
-    return [(q.rvq_first.input_proj, q.rvq_first.vq.layers[0]), (q.rvq_rest.input_proj, q.rvq_rest.vq.layers[0])]
+    return [(rvq.input_proj, layers[0]) for rvq, layers in codebooks(model)]
 
 
 def code_logits(proj: torch.nn.Module, layer: torch.nn.Module, latent: torch.Tensor) -> torch.Tensor:
@@ -114,24 +106,19 @@ def encoder_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 @torch.no_grad()
-def codes(model: torch.nn.Module, x: np.ndarray) -> np.ndarray:
-    return model.encode(torch.from_numpy(x)[None, None])[0].T.numpy()  # [T, K]
-
-
-@torch.no_grad()
 def heldout_report(teacher, student, audio: SourceAudio, seed: int, per_band: int, frames: int) -> dict:
     """Per SNR band and codebook: code agreement of noised vs clean (teacher, student) and student vs teacher on clean."""
     out: dict = {}
-    for lo, hi in SNR_BANDS:
+    for lo, hi in SNR_BANDS_DB:
         rng = np.random.default_rng([seed, lo])
         agree = {"teacher_noised": [], "student_noised": [], "student_clean": []}
         for _ in range(per_band):
             clean, noised, _, _ = listen_crop(rng, audio, frames * FRAME_SAMPLES, speech_p=1.0,
                                               snr_db=float(rng.uniform(lo, hi)))
-            ref = codes(teacher, clean)
-            agree["teacher_noised"].append(codes(teacher, noised) == ref)
-            agree["student_noised"].append(codes(student, noised) == ref)
-            agree["student_clean"].append(codes(student, clean) == ref)
+            ref = encode(teacher, clean)
+            agree["teacher_noised"].append(encode(teacher, noised) == ref)
+            agree["student_noised"].append(encode(student, noised) == ref)
+            agree["student_clean"].append(encode(student, clean) == ref)
         out[f"{lo}-{hi}"] = {k: np.concatenate(v).mean(0).round(4).tolist() for k, v in agree.items()}
     return out
 

@@ -35,6 +35,8 @@ FRAME = 1920  # samples per 80 ms step at 24 kHz
 LEVEL_DB = (-20.0, -6.0)  # a user's peak level in a stream (the cache's level variety)
 ECHO_GAIN = (0.02, 0.2)
 SNR_DB = (0.0, 20.0)
+# the 5 dB bands of SNR_DB that reports split noised figures by (bench_trigger, bench_codec, the diagnoses)
+SNR_BANDS_DB = tuple((lo, lo + 5) for lo in range(int(SNR_DB[0]), int(SNR_DB[1]), 5))
 FLOOR = 1e-4  # the near-silence under everything (what `synth.build_cache` encodes as silence)
 
 
