@@ -236,7 +236,8 @@ def test_noise_kinds_are_unit_level_and_differ():
 def test_audio_embeddings_can_follow_the_codec_codebooks(cache, tmp_path):
     """`--codebook-emb`: each code's embedding starts as its centroid's principal components (neighbouring
     centroids, neighbouring embeddings), the same table for speak and listen; `frozen` keeps it through
-    training, and a resume with another choice is refused."""
+    training, `init` (the shipped trigger's recipe) trains on from it, and a resume with another choice is
+    refused."""
     from egomem.codec.mimi import build_mimi
     from egomem.config import MimiConfig
     from egomem.trigger.codec import codebook_vectors
@@ -263,5 +264,11 @@ def test_audio_embeddings_can_follow_the_codec_codebooks(cache, tmp_path):
     with pytest.raises(SystemExit, match="codebook-emb"):
         fit(make_model(TriggerConfig(**{**TINY.__dict__, "emb_rank": 48}), seed=0), cache, ckpt=ckpt,
             codebook_emb="init", **{**kw, "steps": 3})
+    started = make_model(TriggerConfig(**{**TINY.__dict__, "emb_rank": 48}), seed=0)
+    init_audio_emb_from_codebooks(started, vectors, freeze=False)  # `init` (the shipped recipe): a start only
+    torch.testing.assert_close(started.audio_emb.detach(), emb)
+    assert started.audio_emb.requires_grad
+    fit(started, cache, ckpt=tmp_path / "init.pt", codebook_emb="init", **kw)
+    assert not torch.equal(started.audio_emb.detach(), emb)  # the table trained on
     with pytest.raises(ValueError, match="do not fit"):
         init_audio_emb_from_codebooks(model, vectors[:4], freeze=False)

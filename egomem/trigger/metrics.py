@@ -104,10 +104,12 @@ def evaluate(preds: list[list[Span]], golds: list[list[Span]], ns: tuple[int, ..
 # 0.930 / 0.470 and 0.905 / 0.448 on 200, 0.932 / 0.460 and 0.900 / 0.440 on 48 (on spliced rows it had
 # reached 0.990 / 0.891 and 0.965 / 0.718).
 # Raised from 0.93 / 0.48 and 0.85 / 0.30 with the dim-128 trigger trained with dropout and code
-# augmentation.
+# augmentation; raised again (clean F1@5 0.78 -> 0.80, noised 0.93 / 0.58 -> 0.95 / 0.72) with the trigger
+# whose code embeddings start from the codebook centroids (session 59), which reaches on the test's 48
+# streams clean 0.987 / 0.878, noised 0.983 / 0.854 (the one before it: 0.987 / 0.864, 0.975 / 0.752).
 SHIPPED_BAR = {
-    "clean": {"jaccard": 0.97, "f1@5": 0.78},
-    "noised": {"jaccard": 0.93, "f1@5": 0.58},
+    "clean": {"jaccard": 0.97, "f1@5": 0.80},
+    "noised": {"jaccard": 0.95, "f1@5": 0.72},
 }
 
 

@@ -13,26 +13,24 @@ rows encoded whole); (5) write fp16 weights + metadata to `--out`.
 The shipped offline default `egomem/data/trigger_tiny.safetensors` (4.2 MB), trained on the codes
 of the shipped trained tiny codec (`egomem train-codec`), is made by
 
-    python -m egomem.trigger.train --data /work/shared/data/speech \
-        --out egomem/data/trigger_tiny.safetensors --seed 0 --steps 3000 --code-aug-p 0.3 --listen-pool 1600
+    python -m egomem.trigger.train --data /work/shared/data/speech --seed 0 --steps 3000 --code-aug-p 0.3 \
+        --listen-pool 1600 --codebook-emb init --out egomem/data/trigger_tiny.safetensors
 
 (LibriSpeech FLAC as in the project's shared data; no espeak/flite needed) with today's defaults:
 `[trigger]` dim 128, 4 layers, audio embedding rank 32, reading the recorded voice track
 (`trigger.voice_dim = 256`, withheld on `--drop-track-p 0.05` of the streams, a tenth of the polls
 dropped), the auxiliary voice-change loss (`--voice-change-weight 0.5`), `--dropout 0.1`, a listen pool
-of 1,600 layouts (3,200 streams; the default), and 0.3 of the fine audio codes replaced. Held out
-(`bench/bench_trigger.py`, 200 streams, `bench/results/bench_trigger_listen_audio_pool1600.json`):
-Jaccard / F1@5 clean 0.993 / 0.910, noised 0.969 / 0.718, against 0.990 / 0.893 and 0.965 / 0.673 for
-the same recipe on a pool of 800 layouts (the trigger shipped before it) on the same streams: on the
-pool's own streams that one scored 0.953 / 0.887 F1@5, on held-out ones 0.861 / 0.697 (it had learnt the
-pool), so the pool was doubled.
-Training: ≈35 min on a 2-core CPU alone (one torch thread; 59 min beside a fine-tune); the pool the first
+of 1,600 layouts (3,200 streams; the default), 0.3 of the fine audio codes replaced, and every audio code's
+embedding started from its codebook centroid (`--codebook-emb init`, `init_audio_emb_from_codebooks`; session
+59): the trained codec writes other codes for noised speech nearly everywhere, and embeddings that start
+where the centroids lie read a code that noise moved to a neighbour almost as the clean one. Held out
+(`bench/bench_trigger.py`, `bench/results/bench_trigger_codebook_emb.json`; README, "episodic_trigger"):
+Jaccard / F1@5 clean 0.995 / 0.927, noised 0.975 / 0.755, against 0.993 / 0.910 and 0.969 / 0.718 for the
+same recipe without it (the trigger shipped before, session 42) on the same streams in the same run; `frozen`
+(tables kept fixed) reached 0.974 / 0.747 noised (docs/trigger.md has the versions before).
+Training: ≈36 min on a 2-core CPU (one torch thread, beside a second run); the pool the first
 time: ≈1 h of one core (`python -m egomem.trigger.listen_audio --data ... --shards 0:16` and `16:32`
 build its halves in two processes); the code cache: ≈5 min idle (≈20 min shared).
-`--codebook-emb frozen` (session 58, not in the shipped recipe yet) sets each audio code's embedding from its
-codebook centroid and keeps it fixed (`init_audio_emb_from_codebooks`): at a quarter of the pool and half the
-steps it gained 0.09 noised and 0.05 clean F1@5 over the same recipe without it (docs/trigger.md, "Codes under
-noise").
 Rerunning the command after a kill resumes from `--ckpt-dir` (and from the pool shards already built).
 For real Mimi weights set `mimi.weights` in the config (`--config`) and run the same command.
 """
@@ -96,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "0 turns it off)")
     p.add_argument("--codebook-emb", choices=CODEBOOK_EMB, default="off",
                    help="audio code embeddings from the codec's codebook centroids (init_audio_emb_from_codebooks): "
-                        "off (random init, as shipped), init (a start), frozen (fixed)")
+                        "off (random init), init (a start; the shipped trigger's recipe), frozen (fixed)")
     p.add_argument("--activity-weight", type=float, default=0.0,
                    help="weight of an auxiliary loss (training only): on every step, is a user speaking on the "
                         "listen row? A dense signal for where speech starts under noise, where the label loss "
