@@ -37,29 +37,31 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from egomem.codec.mimi import build_mimi
-from egomem.config import MimiConfig
+from egomem.config import REPO_ROOT, MimiConfig
+from egomem.dialog.card import SHIPPED_TINY_DIALOG
 from egomem.training.listen import code_vectors
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = REPO_ROOT / "egomem" / "data" / "dialog_tiny.safetensors"
 
-
-def project(table: torch.Tensor, vectors: torch.Tensor, keep: float) -> tuple[torch.Tensor, float]:
-    """`table` [card + 1, dim] with its first `card` rows moved to `fit + keep * (rows - fit)`, the fit of the
-    rows by `[vectors, 1] @ W`; the last row (the initial token) stays. Returns it and the fit's R^2."""
+def linear_image(table: torch.Tensor, vectors: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The least-squares fit of `table`'s first `card` rows by `[vectors, 1] @ W`, and its R^2."""
     card = vectors.shape[0]
     rows = table[:card].float()
     x = torch.cat([vectors, torch.ones(card, 1)], 1)
     fit = x @ torch.linalg.lstsq(x, rows).solution
-    r2 = 1.0 - float(((fit - rows) ** 2).sum() / ((rows - rows.mean(0)) ** 2).sum())
-    out = table.clone()
-    out[:card] = (fit + keep * (rows - fit)).to(table.dtype)
-    return out, r2
+    return fit, 1.0 - float(((fit - rows) ** 2).sum() / ((rows - rows.mean(0)) ** 2).sum())
+
+
+def blend(table: torch.Tensor, fit: torch.Tensor, keep: float) -> torch.Tensor:
+    """`table` [card + 1, dim] with its first `card` rows moved to `fit + keep * (rows - fit)`; the last row
+    (the initial token) stays."""
+    out, card = table.clone(), fit.shape[0]
+    out[:card] = (fit + keep * (table[:card].float() - fit)).to(table.dtype)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--weights", type=Path, default=SHIPPED, help="dialog model (a Moshi LMModel state dict)")
+    p.add_argument("--weights", type=Path, default=SHIPPED_TINY_DIALOG, help="dialog model (a Moshi LMModel state dict)")
     p.add_argument("--keep", type=float, nargs="+", default=[0.0, 0.5],
                    help="share of each table's non-linear part kept, one file per value")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "listen_projection")
@@ -70,13 +72,15 @@ def main(argv: list[str] | None = None) -> None:
     n_q = vectors.shape[0]
     audio = sorted(int(k.split(".")[1]) for k in state if k.startswith("emb.") and k.endswith(".weight"))
     listen = audio[-n_q:]  # the last n_q audio embeddings are the user's (moshi's LMModel layout)
+    keys = [f"emb.{i}.weight" for i in listen]
+    fits = [linear_image(state[key], vectors[k]) for k, key in enumerate(keys)]  # once, for every --keep
+    for k, (_, r2) in enumerate(fits):
+        print(f"listen codebook {k}: R^2 of the linear image {r2:.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
     for keep in args.keep:
         new = dict(state)
-        for k, i in enumerate(listen):
-            new[f"emb.{i}.weight"], r2 = project(state[f"emb.{i}.weight"], vectors[k], keep)
-            if keep == args.keep[0]:
-                print(f"listen codebook {k}: R^2 of the linear image {r2:.3f}")
+        for key, (fit, _) in zip(keys, fits, strict=True):
+            new[key] = blend(state[key], fit, keep)
         path = args.out / f"keep{keep:g}.safetensors"
         save_file(new, str(path), metadata=meta)
         print(f"wrote {path}")
