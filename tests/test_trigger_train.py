@@ -272,3 +272,42 @@ def test_audio_embeddings_can_follow_the_codec_codebooks(cache, tmp_path):
     assert not torch.equal(started.audio_emb.detach(), emb)  # the table trained on
     with pytest.raises(ValueError, match="do not fit"):
         init_audio_emb_from_codebooks(model, vectors[:4], freeze=False)
+
+
+def test_a_continuation_starts_from_a_trained_trigger_of_its_own_codec_and_draws_other_batches(cache, tmp_path):
+    """`--init-weights`: the network starts as the checkpoint (same dims, trained on the configured codec's codes,
+    else refused naming the file); `--draw-seed` draws other batches than `--seed` would, and a resume with
+    another draw seed or start is refused."""
+    from egomem.config import MimiConfig
+    from egomem.trigger.codec import build_codec, codec_fingerprint
+    from egomem.trigger.model import save_trigger
+    from egomem.trigger.train import load_start
+
+    torch.set_num_threads(1)
+    trained = make_model(TINY, seed=3)
+    fp = codec_fingerprint(build_codec(MimiConfig()))
+    good, alien = tmp_path / "good.safetensors", tmp_path / "alien.safetensors"
+    save_trigger(trained, good, {"codec_fingerprint": fp})
+    save_trigger(trained, alien, {"codec_fingerprint": "0123456789"})
+    fresh = make_model(TINY, seed=4)
+    assert not torch.equal(fresh.head.weight, trained.head.weight)
+    load_start(fresh, good, MimiConfig())
+    for name, value in trained.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], value.half().float())  # saved in fp16
+    with pytest.raises(SystemExit, match="alien.safetensors was trained on codec"):
+        load_start(make_model(TINY, seed=4), alien, MimiConfig())
+    with pytest.raises(SystemExit, match="good.safetensors: its dims differ"):
+        load_start(make_model(TriggerConfig(**{**TINY.__dict__, "dim": 48}), seed=4), good, MimiConfig())
+
+    kw = dict(steps=2, batch=2, stream_steps=128, lr=3e-3, seed=1, progress=False)
+    runs = {}
+    for draw in (None, 1, 2):
+        model = make_model(TINY, seed=0)
+        fit(model, cache, draw_seed=draw, ckpt=tmp_path / f"d{draw}" / "last.pt", **kw)
+        runs[draw] = model.head.weight.detach().clone()
+    torch.testing.assert_close(runs[None], runs[1])  # the default draws are --seed's
+    assert not torch.equal(runs[1], runs[2])
+    with pytest.raises(SystemExit, match="--draw-seed or --init-weights"):
+        fit(make_model(TINY, seed=0), cache, draw_seed=5, ckpt=tmp_path / "d2" / "last.pt", **kw)
+    with pytest.raises(SystemExit, match="--draw-seed or --init-weights"):
+        fit(make_model(TINY, seed=0), cache, draw_seed=2, init_weights=str(good), ckpt=tmp_path / "d2" / "last.pt", **kw)

@@ -95,6 +95,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--codebook-emb", choices=CODEBOOK_EMB, default="off",
                    help="audio code embeddings from the codec's codebook centroids (init_audio_emb_from_codebooks): "
                         "off (random init), init (a start; the shipped trigger's recipe), frozen (fixed)")
+    p.add_argument("--init-weights", type=Path, default=None,
+                   help="start from this trained trigger checkpoint (same dims, same codec) instead of a fresh "
+                        "network: a continuation on more steps with a fresh warmup and cosine; its audio tables "
+                        "replace a --codebook-emb start (frozen still keeps them fixed)")
+    p.add_argument("--draw-seed", type=int, default=None,
+                   help="seed of the batch draws, augmentation and dropout masks (default --seed; --seed also "
+                        "keys the code cache, the pool and the held-out streams): a continuation should draw "
+                        "other batches than the run it continues")
     p.add_argument("--activity-weight", type=float, default=0.0,
                    help="weight of an auxiliary loss (training only): on every step, is a user speaking on the "
                         "listen row? A dense signal for where speech starts under noise, where the label loss "
@@ -225,6 +233,26 @@ def init_audio_emb_from_codebooks(model: TriggerModel, vectors: torch.Tensor, fr
     model.audio_emb.requires_grad_(not freeze)
 
 
+def load_start(model: TriggerModel, path: Path, mimi_cfg) -> None:
+    """Load a trained trigger's weights into `model` (a continuation's start), refusing one of other dims or
+    trained on another codec's codes (its `codec_fingerprint` metadata against the configured Mimi's)."""
+    from egomem.trigger.codec import build_codec, codec_fingerprint
+    from egomem.trigger.model import load_trigger
+
+    start, meta = load_trigger(path)
+    ours = {k: v for k, v in model.cfg.to_dict().items() if k != "dropout"}
+    theirs = {k: v for k, v in start.cfg.to_dict().items() if k != "dropout"}
+    if ours != theirs:
+        diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
+        raise SystemExit(f"--init-weights {path}: its dims differ from the configured trigger's "
+                         f"(checkpoint, config): {diff}")
+    fp = codec_fingerprint(build_codec(mimi_cfg))
+    if meta.get("codec_fingerprint") != fp:
+        raise SystemExit(f"--init-weights {path} was trained on codec {meta.get('codec_fingerprint')!r}, the "
+                         f"configured Mimi is {fp!r}: continue a trigger only on its own codec's codes")
+    model.load_state_dict(start.state_dict())  # in place: a frozen table stays out of the optimiser
+
+
 def make_model(t, seed: int, voice_window_steps: int = 38, dropout: float = 0.0) -> TriggerModel:
     """A fresh trigger network with the dims of a TriggerConfig section, seeded; `voice_window_steps`:
     how many steps one voice poll covers (orchestrator.identify_window_s / 80 ms, rounded up)."""
@@ -240,7 +268,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         stop_after: int | None = None, progress: bool = True, max_stream_steps: int | None = None,
         long_p: float = 0.0, voice_change_weight: float = 0.0, drop_track_p: float = 0.0,
         drop_poll_p: float = 0.0, code_aug_p: float = 0.0, pool: list[SynthStream] | None = None,
-        activity_weight: float = 0.0, codebook_emb: str = "off") -> list[float]:
+        activity_weight: float = 0.0, codebook_emb: str = "off", draw_seed: int | None = None,
+        init_weights: str = "") -> list[float]:
     """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
 
     A share `long_p` of the steps trains on ONE stream of 1024..`max_stream_steps` steps instead of
@@ -258,11 +287,14 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     track dropped with `drop_track_p` and each poll with `drop_poll_p`, so it labels without one too.
     `code_aug_p` > 0 replaces that share of the fine audio codes by random ones (`augment_codes`).
     `codebook_emb` names how the caller initialised the audio embeddings (`init_audio_emb_from_codebooks`;
-    a resume refuses another), and a frozen table stays out of the optimiser.
+    a resume refuses another), and a frozen table stays out of the optimiser. `init_weights` names the
+    checkpoint the caller loaded into `model` ("" for a fresh network; a resume refuses another).
 
     With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
     `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
-    run continues exactly where the interrupted one was. `stop_after` ends this call early (tests).
+    run continues exactly where the interrupted one was (`draw_seed`, default `seed`, replaces `seed` in
+    those draws: a continuation of a trained trigger sees other batches). `stop_after` ends this call early
+    (tests).
 
     With a `pool` (`listen_audio.load_or_build_pool`: streams whose listen row is encoded whole from
     audio), batches are drawn from it instead of synthesised: `batch` of its `stream_steps`-long
@@ -270,6 +302,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     """
     from tqdm import tqdm
 
+    draw_seed = seed if draw_seed is None else draw_seed
     voice_head = torch.nn.Linear(model.cfg.dim, 2) if voice_change_weight > 0 else None
     activity_head = torch.nn.Linear(model.cfg.dim, 2) if activity_weight > 0 else None
     heads = {"voice_head": voice_head, "activity_head": activity_head}  # training-only, saved in the state by name
@@ -284,13 +317,15 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         made = (state["model_cfg"], state["seed"], state.get("total_steps"), state.get("voice_change_weight", 0.0),
                 state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0), state.get("code_aug_p", 0.0),
-                state.get("pool_streams", 0), state.get("activity_weight", 0.0), state.get("codebook_emb", "off"))
+                state.get("pool_streams", 0), state.get("activity_weight", 0.0), state.get("codebook_emb", "off"),
+                state.get("draw_seed", state["seed"]), state.get("init_weights", ""))
         old_cfg = {**TriggerModelConfig().to_dict(), **made[0]}  # a state saved before a config field existed
         if (old_cfg, *made[1:]) != (model.cfg.to_dict(), seed, steps, voice_change_weight, drop_track_p, drop_poll_p,
-                                    code_aug_p, len(pool or []), activity_weight, codebook_emb):
+                                    code_aug_p, len(pool or []), activity_weight, codebook_emb, draw_seed,
+                                    init_weights):
             raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight, "
-                             f"voice dropout, --code-aug-p, --listen-pool, --activity-weight or --codebook-emb; pass "
-                             f"--no-resume or another --ckpt-dir")
+                             f"voice dropout, --code-aug-p, --listen-pool, --activity-weight, --codebook-emb, "
+                             f"--draw-seed or --init-weights; pass --no-resume or another --ckpt-dir")
         model.load_state_dict(state["model"])
         for name, h in heads.items():
             if h is not None:
@@ -307,7 +342,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     model.train()
     bar = tqdm(range(start, end), initial=start, total=steps, desc="train trigger", unit="step", disable=not progress)
     for step in bar:
-        rng = np.random.default_rng([seed, step])
+        rng = np.random.default_rng([draw_seed, step])
         if max_stream_steps and rng.random() < long_p:
             spec, b = StreamSpec(steps=int(rng.integers(1024, max_stream_steps + 1))), 1
         else:
@@ -324,7 +359,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
             tokens = augment_codes(tokens, rng, code_aug_p)
         with torch.random.fork_rng(devices=[], enabled=model.cfg.dropout > 0):  # the caller's generator is left alone
             if model.cfg.dropout > 0:  # dropout's masks from a per-step seed, so a resumed run draws the same ones
-                torch.manual_seed(int(np.random.default_rng([seed, step, 1]).integers(2**62)))
+                torch.manual_seed(int(np.random.default_rng([draw_seed, step, 1]).integers(2**62)))
             feats = model.features(torch.from_numpy(tokens), voices)  # B,T,dim
         loss = loss_fn(model.head(feats), torch.from_numpy(np.stack([st.labels for st in streams])))
         if voice_head is not None:
@@ -350,7 +385,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
                         "total_steps": steps, "voice_change_weight": voice_change_weight,
                         "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p, "code_aug_p": code_aug_p,
                         "pool_streams": len(pool or []), "activity_weight": activity_weight,
-                        "codebook_emb": codebook_emb,
+                        "codebook_emb": codebook_emb, "draw_seed": draw_seed, "init_weights": init_weights,
                         **{name: h.state_dict() if h is not None else None for name, h in heads.items()}}, tmp)
             tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
     model.eval()
@@ -381,6 +416,8 @@ def train(args: argparse.Namespace) -> dict:
         from egomem.trigger.codec import build_codec, codebook_vectors
 
         init_audio_emb_from_codebooks(model, codebook_vectors(build_codec(cfg.mimi)), args.codebook_emb == "frozen")
+    if args.init_weights is not None:
+        load_start(model, args.init_weights, cfg.mimi)
     ckpt = args.ckpt_dir / "last.pt"
     t0 = time.time()
     losses = fit(model, train_cache, steps=args.steps, batch=args.batch, stream_steps=args.stream_steps, lr=args.lr,
@@ -388,7 +425,8 @@ def train(args: argparse.Namespace) -> dict:
                  max_stream_steps=args.max_stream_steps, long_p=args.long_p,
                  voice_change_weight=args.voice_change_weight, drop_track_p=args.drop_track_p,
                  drop_poll_p=args.drop_poll_p, code_aug_p=args.code_aug_p, pool=pool,
-                 activity_weight=args.activity_weight, codebook_emb=args.codebook_emb)
+                 activity_weight=args.activity_weight, codebook_emb=args.codebook_emb, draw_seed=args.draw_seed,
+                 init_weights=str(args.init_weights or ""))
     train_s = time.time() - t0
     from egomem.trigger.codec import build_codec, codec_fingerprint
 
@@ -404,6 +442,7 @@ def train(args: argparse.Namespace) -> dict:
         "train_command": "python -m egomem.trigger.train " + shlex.join(args.argv),
         "seed": args.seed,
         "steps": args.steps,
+        "init_weights": str(args.init_weights or ""),
         "final_loss": float(np.mean(losses[-50:])) if losses else float("nan"),
         "heldout": json.dumps(results),
     }
