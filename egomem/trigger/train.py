@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from egomem.config import REPO_ROOT, TriggerConfig, load_config
+from egomem.config import REPO_ROOT, MimiConfig, TriggerConfig, load_config
 from egomem.trigger.decode import configured_decode, decode_sessions
 from egomem.trigger.listen_audio import draw_stream
 from egomem.trigger.metrics import evaluate
@@ -233,7 +233,7 @@ def init_audio_emb_from_codebooks(model: TriggerModel, vectors: torch.Tensor, fr
     model.audio_emb.requires_grad_(not freeze)
 
 
-def load_start(model: TriggerModel, path: Path, mimi_cfg) -> None:
+def load_start(model: TriggerModel, path: Path, mimi_cfg: MimiConfig) -> None:
     """Load a trained trigger's weights into `model` (a continuation's start), refusing one of other dims or
     trained on another codec's codes (its `codec_fingerprint` metadata against the configured Mimi's)."""
     from egomem.trigger.codec import build_codec, codec_fingerprint
