@@ -32,9 +32,10 @@ from typing import Any
 
 from egomem.config import Config, to_toml
 from egomem.serving.launcher import (
+    CHILD_UMASK,
     LaunchError,
     TritonServer,
-    child_preexec,
+    child_argv,
     group_alive,
     open_private_log,
     port_owner,
@@ -164,9 +165,9 @@ class Stack:
         logf = open_private_log(self.run_dir / "orchestrator.log")
         env = dict(os.environ, EGOMEM_CONFIG=str(config_path))
         argv = [sys.executable, "-m", "egomem.orchestrator", "--config", str(config_path)]
-        self.orchestrator = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=env, start_new_session=True,
-                                             preexec_fn=child_preexec(signal.SIGTERM))
+        self.orchestrator = subprocess.Popen(child_argv(argv), stdout=logf, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                             umask=CHILD_UMASK)
         logf.close()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -198,9 +199,9 @@ class Stack:
         write_private(config_path, to_toml(self.cfg))
         logf = open_private_log(self.run_dir / "worker.log")
         env = dict(os.environ, EGOMEM_CONFIG=str(config_path))
-        self.worker = subprocess.Popen([sys.executable, "-m", "egomem.memory.worker", "--config", str(config_path)],
-                                       stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                       start_new_session=True, preexec_fn=child_preexec(signal.SIGTERM))
+        argv = [sys.executable, "-m", "egomem.memory.worker", "--config", str(config_path)]
+        self.worker = subprocess.Popen(child_argv(argv), stdout=logf, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, env=env, start_new_session=True, umask=CHILD_UMASK)
         logf.close()
 
     def stop_orchestrator(self) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import importlib.util
 import logging
 import os
@@ -32,7 +31,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,11 +85,8 @@ def cuda_available() -> bool:
 
 
 # -- child processes: owner-only files, die with the parent --------------------------------------
-PR_SET_PDEATHSIG = 1
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the forked child only calls it
-except (OSError, AttributeError):  # not Linux: no parent-death signal (the pid file still finds strays)
-    _prctl = None
+CHILD_EXEC = Path(__file__).with_name("child_exec.py")  # run as a script: sets the death signal, then execs
+CHILD_UMASK = 0o077  # a service's files are owner-only too (Popen's `umask`, applied between fork and exec)
 
 
 def private_dir(path: Path) -> Path:
@@ -109,23 +104,15 @@ def open_private_log(path: Path):
     return os.fdopen(fd, "ab", buffering=0)
 
 
-def child_preexec(deathsig: int | None = signal.SIGTERM) -> Callable[[], None] | None:
-    """preexec_fn for a service process: umask 077 (its files are owner-only too) and, when called
-    from the main thread on Linux, `deathsig` once this process dies, however it dies. (The kernel
-    sends it when the *thread* that forked the child ends, so children of other threads get none;
-    the caller's pid file covers them.)"""
-    parent = os.getpid()
-    use_deathsig = (deathsig is not None and _prctl is not None
-                    and threading.current_thread() is threading.main_thread())
-
-    def setup() -> None:
-        os.umask(0o077)
-        if use_deathsig:
-            _prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0)
-            if os.getppid() != parent:  # the parent died before prctl: act as if the signal came
-                os.kill(os.getpid(), int(deathsig))
-
-    return setup
+def child_argv(argv: list[str], deathsig: int | None = signal.SIGTERM) -> list[str]:
+    """`argv` as the launcher starts a service process: through `child_exec.py`, which makes it get
+    `deathsig` once this process dies, however it dies, when called from the main thread on Linux (the
+    kernel sends it when the *thread* that forked the child ends, so children of other threads get
+    none; the caller's pid file covers them); else `argv` itself. Start it with `umask=CHILD_UMASK`."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if deathsig is None or not sys.platform.startswith("linux") or not main_thread:
+        return list(argv)
+    return [sys.executable, str(CHILD_EXEC), str(int(deathsig)), str(os.getpid()), *argv]
 
 
 def process_start_time(pid: int) -> int | None:
@@ -311,9 +298,8 @@ class TritonServer:
         logf = open_private_log(self.log_path)
         log.info("starting tritonserver (%s, %s instances), log: %s", inst.binary.name,
                  "GPU" if self.device == "cuda" else "CPU", self.log_path)
-        self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=child_preexec(signal.SIGTERM))
+        self.proc = subprocess.Popen(child_argv(argv), stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, umask=CHILD_UMASK)
         logf.close()
         atexit.register(self.stop)
         try:
