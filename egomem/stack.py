@@ -32,15 +32,14 @@ from typing import Any
 
 from egomem.config import Config, to_toml
 from egomem.serving.launcher import (
-    CHILD_UMASK,
     LaunchError,
     TritonServer,
-    child_argv,
     group_alive,
     open_private_log,
     port_owner,
     private_dir,
     process_start_time,
+    start_child,
     write_private,
 )
 
@@ -165,9 +164,7 @@ class Stack:
         logf = open_private_log(self.run_dir / "orchestrator.log")
         env = dict(os.environ, EGOMEM_CONFIG=str(config_path))
         argv = [sys.executable, "-m", "egomem.orchestrator", "--config", str(config_path)]
-        self.orchestrator = subprocess.Popen(child_argv(argv), stdout=logf, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                             umask=CHILD_UMASK)
+        self.orchestrator = start_child(argv, logf, env)
         logf.close()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -200,8 +197,7 @@ class Stack:
         logf = open_private_log(self.run_dir / "worker.log")
         env = dict(os.environ, EGOMEM_CONFIG=str(config_path))
         argv = [sys.executable, "-m", "egomem.memory.worker", "--config", str(config_path)]
-        self.worker = subprocess.Popen(child_argv(argv), stdout=logf, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=env, start_new_session=True, umask=CHILD_UMASK)
+        self.worker = start_child(argv, logf, env)
         logf.close()
 
     def stop_orchestrator(self) -> None:

@@ -1,4 +1,4 @@
-"""Service children (`launcher.child_argv`): started through `egomem/serving/child_exec.py` instead of a
+"""Service children (`launcher.start_child`): started through `egomem/serving/child_exec.py` instead of a
 `preexec_fn` (Python code between fork and exec can deadlock a child of a threaded process, and `Popen`
 then waits forever), they still die with the process that started them and write owner-only files."""
 
@@ -29,11 +29,11 @@ def test_a_service_child_is_its_program_writes_owner_only_files_and_dies_with_it
     parent = tmp_path / "parent.py"
     parent.write_text(textwrap.dedent(f"""
         import subprocess, sys, time
-        from egomem.serving.launcher import CHILD_UMASK, child_argv
+        from egomem.serving.launcher import start_child
         program = [sys.executable, "-c",
                    "import pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text('x'); time.sleep(120)",
                    {str(marker)!r}]
-        child = subprocess.Popen(child_argv(program), umask=CHILD_UMASK, start_new_session=True)
+        child = start_child(program, sys.stderr)
         print(child.pid, flush=True)
         time.sleep(120)
     """))

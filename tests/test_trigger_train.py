@@ -291,13 +291,13 @@ def test_a_continuation_starts_from_a_trained_trigger_of_its_own_codec_and_draws
     save_trigger(trained, alien, {"codec_fingerprint": "0123456789"})
     fresh = make_model(TINY, seed=4)
     assert not torch.equal(fresh.head.weight, trained.head.weight)
-    load_start(fresh, good, MimiConfig())
+    load_start(fresh, good, fp)
     for name, value in trained.state_dict().items():
         torch.testing.assert_close(fresh.state_dict()[name], value.half().float())  # saved in fp16
     with pytest.raises(SystemExit, match="alien.safetensors was trained on codec"):
-        load_start(make_model(TINY, seed=4), alien, MimiConfig())
+        load_start(make_model(TINY, seed=4), alien, fp)
     with pytest.raises(SystemExit, match="good.safetensors: its dims differ"):
-        load_start(make_model(TriggerConfig(**{**TINY.__dict__, "dim": 48}), seed=4), good, MimiConfig())
+        load_start(make_model(TriggerConfig(**{**TINY.__dict__, "dim": 48}), seed=4), good, fp)
 
     kw = dict(steps=2, batch=2, stream_steps=128, lr=3e-3, seed=1, progress=False)
     runs = {}

@@ -108,11 +108,18 @@ def child_argv(argv: list[str], deathsig: int | None = signal.SIGTERM) -> list[s
     """`argv` as the launcher starts a service process: through `child_exec.py`, which makes it get
     `deathsig` once this process dies, however it dies, when called from the main thread on Linux (the
     kernel sends it when the *thread* that forked the child ends, so children of other threads get
-    none; the caller's pid file covers them); else `argv` itself. Start it with `umask=CHILD_UMASK`."""
+    none; the caller's pid file covers them); else `argv` itself."""
     main_thread = threading.current_thread() is threading.main_thread()
     if deathsig is None or not sys.platform.startswith("linux") or not main_thread:
         return list(argv)
     return [sys.executable, str(CHILD_EXEC), str(int(deathsig)), str(os.getpid()), *argv]
+
+
+def start_child(argv: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a service process: its own session, stdin closed, stdout and stderr to `log` (an open file),
+    owner-only files (`CHILD_UMASK`), and SIGTERM once this process dies (`child_argv`)."""
+    return subprocess.Popen(child_argv(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True, umask=CHILD_UMASK)
 
 
 def process_start_time(pid: int) -> int | None:
@@ -298,8 +305,7 @@ class TritonServer:
         logf = open_private_log(self.log_path)
         log.info("starting tritonserver (%s, %s instances), log: %s", inst.binary.name,
                  "GPU" if self.device == "cuda" else "CPU", self.log_path)
-        self.proc = subprocess.Popen(child_argv(argv), stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, umask=CHILD_UMASK)
+        self.proc = start_child(argv, logf, env)
         logf.close()
         atexit.register(self.stop)
         try:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from egomem.config import REPO_ROOT, MimiConfig, TriggerConfig, load_config
+from egomem.config import REPO_ROOT, TriggerConfig, load_config
 from egomem.trigger.decode import configured_decode, decode_sessions
 from egomem.trigger.listen_audio import draw_stream
 from egomem.trigger.metrics import evaluate
@@ -233,10 +233,9 @@ def init_audio_emb_from_codebooks(model: TriggerModel, vectors: torch.Tensor, fr
     model.audio_emb.requires_grad_(not freeze)
 
 
-def load_start(model: TriggerModel, path: Path, mimi_cfg: MimiConfig) -> None:
+def load_start(model: TriggerModel, path: Path, fp: str) -> None:
     """Load a trained trigger's weights into `model` (a continuation's start), refusing one of other dims or
-    trained on another codec's codes (its `codec_fingerprint` metadata against the configured Mimi's)."""
-    from egomem.trigger.codec import build_codec, codec_fingerprint
+    trained on another codec's codes (its `codec_fingerprint` metadata against `fp`, the configured Mimi's)."""
     from egomem.trigger.model import load_trigger
 
     start, meta = load_trigger(path)
@@ -246,7 +245,6 @@ def load_start(model: TriggerModel, path: Path, mimi_cfg: MimiConfig) -> None:
         diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
         raise SystemExit(f"--init-weights {path}: its dims differ from the configured trigger's "
                          f"(checkpoint, config): {diff}")
-    fp = codec_fingerprint(build_codec(mimi_cfg))
     if meta.get("codec_fingerprint") != fp:
         raise SystemExit(f"--init-weights {path} was trained on codec {meta.get('codec_fingerprint')!r}, the "
                          f"configured Mimi is {fp!r}: continue a trigger only on its own codec's codes")
@@ -416,8 +414,11 @@ def train(args: argparse.Namespace) -> dict:
         from egomem.trigger.codec import build_codec, codebook_vectors
 
         init_audio_emb_from_codebooks(model, codebook_vectors(build_codec(cfg.mimi)), args.codebook_emb == "frozen")
+    from egomem.trigger.codec import build_codec, codec_fingerprint
+
+    fp = codec_fingerprint(build_codec(cfg.mimi))
     if args.init_weights is not None:
-        load_start(model, args.init_weights, cfg.mimi)
+        load_start(model, args.init_weights, fp)
     ckpt = args.ckpt_dir / "last.pt"
     t0 = time.time()
     losses = fit(model, train_cache, steps=args.steps, batch=args.batch, stream_steps=args.stream_steps, lr=args.lr,
@@ -428,13 +429,11 @@ def train(args: argparse.Namespace) -> dict:
                  activity_weight=args.activity_weight, codebook_emb=args.codebook_emb, draw_seed=args.draw_seed,
                  init_weights=str(args.init_weights or ""))
     train_s = time.time() - t0
-    from egomem.trigger.codec import build_codec, codec_fingerprint
-
     results = {cond: evaluate_model(model, held_cache, args.eval_streams, args.seed, noised=(cond == "noised"),
                                  decoding=cfg.trigger, listen=listen)
                for cond in ("clean", "noised")}
     meta = {
-        "codec_fingerprint": codec_fingerprint(build_codec(cfg.mimi)),
+        "codec_fingerprint": fp,
         "mimi_preset": cfg.mimi.preset,
         "mimi_weights": str(cfg.mimi.weights),
         "mimi_codec": codec_name(cfg.mimi),
