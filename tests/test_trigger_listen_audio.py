@@ -18,6 +18,7 @@ from egomem.trigger.listen_audio import (
     encode_listen,
     listen_waveform,
     load_or_build_pool,
+    shifted_voice,
 )
 from egomem.trigger.synth import CodeCache, StreamSpec, synth_recorded
 
@@ -115,6 +116,29 @@ def test_the_pool_is_seeded_per_shard_resumes_and_refuses_another_codec(cache, c
         load_or_build_pool(tmp_path / "a", other, codec, spec, tmp_path, progress=False)
     with pytest.raises(SystemExit, match="--data"):
         load_or_build_pool(tmp_path / "c", cache, codec, spec, None, progress=False)
+
+
+def test_a_voice_shift_moves_each_users_pitch_and_nothing_else_and_names_its_own_pool(cache, audio):
+    """`--voice-shift`: another pitch (and vocal tract) at the same duration, one per user per stream; the
+    gaps stay the floor; a pool without it keeps the shard names pools had before the option."""
+    import hashlib
+
+    tone = np.sin(2 * np.pi * 200 * np.arange(24_000) / 24_000).astype(np.float32)
+    up = shifted_voice(tone, 3.0)
+    freqs = np.fft.rfftfreq(len(tone), 1 / 24_000)
+    assert len(up) == len(tone) and abs(freqs[np.abs(np.fft.rfft(up)).argmax()] - 200 * 2 ** 0.25) < 2
+    layout = _layout(cache, 3, 512)
+    plain, _, _ = listen_waveform(layout, audio, np.random.default_rng(3), noised=False)
+    moved, _, _ = listen_waveform(layout, audio, np.random.default_rng(3), noised=False, voice_shift=3.0)
+    speech = np.repeat(layout.speaker >= 0, FRAME)
+    assert len(moved) == len(plain) and np.abs(moved[speech] - plain[speech]).max() > 0.01
+    echo = np.zeros(512, bool)
+    for _, _, at, n in layout.echoes:
+        echo[at:at + n] = True
+    quiet = np.repeat((layout.speaker < 0) & ~echo, FRAME)
+    assert np.sqrt(np.mean(moved[quiet] ** 2)) < 2 * FLOOR
+    old = hashlib.sha256(b"1-fp-768-0.05-8192-0").hexdigest()[:10]
+    assert PoolSpec(seed=0).key("fp") == old != PoolSpec(seed=0, voice_shift=3.0).key("fp")
 
 
 def test_a_trigger_trains_on_the_pool_and_resumes_to_the_same_weights(cache, codec, audio, tmp_path, monkeypatch):

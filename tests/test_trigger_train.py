@@ -1,6 +1,7 @@
 """Trigger training: a short run lowers the loss; an interrupted run resumes to the same weights;
 the synthetic streams' gold labels decode back to their sessions."""
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 from egomem.config import TriggerConfig
 from egomem.trigger.decode import decode_sessions
 from egomem.trigger.synth import TEXT_PAD, CodeCache, StreamSpec, synth_stream
-from egomem.trigger.train import FINE_CODEBOOKS, augment_codes, fit, main, make_model
+from egomem.trigger.train import FINE_CODEBOOKS, augment_codes, fit, main, make_model, pool_batch
 
 CACHE = Path(__file__).parent / "data" / "trigger" / "heldout_codes.npz"
 TINY = TriggerConfig(dim=32, num_layers=1, num_heads=2, emb_rank=4, text_buckets=64, conv_kernel=5)
@@ -311,3 +312,20 @@ def test_a_continuation_starts_from_a_trained_trigger_of_its_own_codec_and_draws
         fit(make_model(TINY, seed=0), cache, draw_seed=5, ckpt=tmp_path / "d2" / "last.pt", **kw)
     with pytest.raises(SystemExit, match="--draw-seed or --init-weights"):
         fit(make_model(TINY, seed=0), cache, draw_seed=2, init_weights=str(good), ckpt=tmp_path / "d2" / "last.pt", **kw)
+
+
+def test_a_noised_share_weighs_the_pools_noised_copies_and_none_draws_as_before(cache):
+    """`--noised-share`: each short stream noised with that probability; unset, the uniform draw of before."""
+    from egomem.trigger.synth import synth_recorded
+
+    base = synth_recorded(cache, np.random.default_rng(0), StreamSpec(steps=64), noised=False)
+    pool = [dataclasses.replace(base, noised=bool(i % 2), snr_db=float(i)) for i in range(40)]  # clean, noised, ...
+    for share, lo, hi in ((1.0, 1.0, 1.0), (0.0, 0.0, 0.0), (0.9, 0.85, 0.95)):
+        drawn = [s for k in range(200) for s in pool_batch(np.random.default_rng([0, k]), pool, 3, share)]
+        assert lo <= np.mean([s.noised for s in drawn]) <= hi, share
+        if share in (0.0, 1.0):
+            assert len({s.snr_db for s in drawn}) == 20  # uniform among its kind: each of the 20 drawn
+    rng, again = np.random.default_rng(5), np.random.default_rng(5)
+    assert [s.snr_db for s in pool_batch(rng, pool, 3)] == [pool[int(i)].snr_db for i in again.integers(40, size=3)]
+    with pytest.raises(ValueError, match="clean and noised"):
+        fit(make_model(TINY, seed=0), cache, steps=1, batch=1, stream_steps=64, lr=1e-3, seed=0, progress=False, pool=pool[::2], noised_share=0.5)

@@ -57,15 +57,27 @@ def _peak_scaled(x: np.ndarray, db: float) -> np.ndarray:
     return x * (10 ** (db / 20) / (np.abs(x).max() + 1e-9))
 
 
-def listen_waveform(stream: SynthStream, audio: SourceAudio, rng: np.random.Generator, noised: bool
-                    ) -> tuple[np.ndarray, str | None, float | None]:
+def shifted_voice(x: np.ndarray, semitones: float) -> np.ndarray:
+    """`x` (24 kHz) pitch-shifted by `semitones` at the same duration (librosa: phase-vocoder stretch, then
+    resampling, so the formants move with the pitch: another vocal tract, as speed perturbation gives, with
+    every step where it was and the layout's labels still true)."""
+    import librosa
+
+    return librosa.effects.pitch_shift(x, sr=24_000, n_steps=semitones).astype(np.float32)
+
+
+def listen_waveform(stream: SynthStream, audio: SourceAudio, rng: np.random.Generator, noised: bool,
+                    voice_shift: float = 0.0) -> tuple[np.ndarray, str | None, float | None]:
     """The listen row of `stream` as 24 kHz audio [T * 1920], the background's kind and its SNR to the
-    users' speech in dB (both None when clean)."""
+    users' speech in dB (both None when clean). `voice_shift` > 0: each user of the stream speaks
+    pitch-shifted by a uniform draw in +-`voice_shift` semitones (`shifted_voice`; training pools only, to
+    hear more voices than the 200 training speakers); 0 draws nothing more from `rng`."""
     from egomem.trigger.noise import KINDS, background
 
     T = stream.tokens.shape[0]
     x = np.zeros(T * FRAME, np.float32)
     level: dict[int, float] = {}
+    voice: dict[int, np.ndarray] = {}
     t = 0
     while t < T:  # runs of one user's consecutive utterance steps
         u = int(stream.speaker[t])
@@ -77,7 +89,10 @@ def listen_waveform(stream: SynthStream, audio: SourceAudio, rng: np.random.Gene
             e += 1
         if u not in level:
             level[u] = float(rng.uniform(*LEVEL_DB))
-        seg = _peak_scaled(audio.users[u], level[u])[p * FRAME:(p + e - t) * FRAME]
+            voice[u] = audio.users[u]
+            if voice_shift > 0:
+                voice[u] = shifted_voice(voice[u], float(rng.uniform(-voice_shift, voice_shift)))
+        seg = _peak_scaled(voice[u], level[u])[p * FRAME:(p + e - t) * FRAME]
         x[t * FRAME:t * FRAME + len(seg)] += seg
         t = e
     user_steps = np.repeat(stream.speaker >= 0, FRAME)
@@ -96,10 +111,10 @@ def listen_waveform(stream: SynthStream, audio: SourceAudio, rng: np.random.Gene
     return x.astype(np.float32), kind, snr
 
 
-def encode_listen(stream: SynthStream, audio: SourceAudio, codec, rng: np.random.Generator, noised: bool
-                  ) -> SynthStream:
+def encode_listen(stream: SynthStream, audio: SourceAudio, codec, rng: np.random.Generator, noised: bool,
+                  voice_shift: float = 0.0) -> SynthStream:
     """A copy of `stream` whose listen row is `listen_waveform` encoded in one pass by `codec`."""
-    wave, kind, snr = listen_waveform(stream, audio, rng, noised)
+    wave, kind, snr = listen_waveform(stream, audio, rng, noised, voice_shift)
     return with_listen_row(stream, codec, wave, kind, snr)
 
 
@@ -137,19 +152,24 @@ POOL_SHARD = 50  # layouts per shard file: a killed build resumes at the next mi
 @dataclass
 class PoolSpec:
     """Which streams a pool holds: `layouts` layouts (each stored clean, then noised), drawn from
-    rng([seed, 100, i]); a share `long_p` of them 1024..`max_steps` steps long, the rest `steps`."""
+    rng([seed, 100, i]); a share `long_p` of them 1024..`max_steps` steps long, the rest `steps`;
+    users' voices pitch-shifted by up to `voice_shift` semitones (`listen_waveform`)."""
 
     layouts: int = 1000
     steps: int = 768
     long_p: float = 0.05
     max_steps: int = 8192
     seed: int = 0
+    voice_shift: float = 0.0
 
     def key(self, fingerprint: str) -> str:
-        """Names the pool's shard files; `layouts` is not in it, so a larger pool reuses a smaller one's shards."""
+        """Names the pool's shard files; `layouts` is not in it, so a larger pool reuses a smaller one's shards
+        (`voice_shift` only when set, so pools built before it keep their names)."""
         import hashlib
 
         text = f"{POOL_VERSION}-{fingerprint}-{self.steps}-{self.long_p}-{self.max_steps}-{self.seed}"
+        if self.voice_shift:
+            text += f"-vs{self.voice_shift}"
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -160,7 +180,8 @@ def pool_layout(cache, audio: SourceAudio, codec, spec: PoolSpec, i: int) -> tup
     rng = np.random.default_rng([spec.seed, 100, i])
     steps = int(rng.integers(1024, spec.max_steps + 1)) if rng.random() < spec.long_p else spec.steps
     layout = synth_recorded(cache, rng, StreamSpec(steps=steps), noised=False)
-    return encode_listen(layout, audio, codec, rng, False), encode_listen(layout, audio, codec, rng, True)
+    return (encode_listen(layout, audio, codec, rng, False, spec.voice_shift),
+            encode_listen(layout, audio, codec, rng, True, spec.voice_shift))
 
 
 def save_streams(path: Path, streams: list[SynthStream], fingerprint: str = "") -> None:
@@ -251,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", type=int, default=PoolSpec.layouts)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", default=None, help="a:b, shard indices to build (default all)")
+    p.add_argument("--voice-shift", type=float, default=0.0, help="as egomem train-trigger --voice-shift")
     p.add_argument("--heldout-set", type=Path, default=None,
                    help="instead: write the test's held-out set (48 clean + 48 noised streams, seed 2024) here")
     args = p.parse_args(argv)
@@ -269,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if not path.is_file():
         raise SystemExit(f"no code cache {path}: run egomem train-trigger --data ... once to build it")
     cache = CodeCache.load(path)
-    spec = PoolSpec(layouts=args.layouts, seed=args.seed)
+    spec = PoolSpec(layouts=args.layouts, seed=args.seed, voice_shift=args.voice_shift)
     shards = None
     if args.shards:
         a, b = (int(v) for v in args.shards.split(":"))

@@ -123,6 +123,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="train on a pool of this many stream layouts whose listen row is encoded whole from audio "
                         "(egomem.trigger.listen_audio: what serving's codec writes; each layout clean and noised; "
                         "built once into --cache-dir from --data); 0: listen rows spliced from cached codes")
+    p.add_argument("--voice-shift", type=float, default=0.0,
+                   help="pool users' voices pitch-shifted by a draw in +-this many semitones (one per user per "
+                        "stream, at the same duration): more voices than the 200 training speakers; 0: none")
+    p.add_argument("--noised-share", type=float, default=None,
+                   help="share of the pool's short training streams drawn from its noised copies (default: "
+                        "uniform over the pool, i.e. half); more weighs the noised condition up")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: fastest on a shared 2-core machine, and reproducible; 0: torch's default)")
     args = p.parse_args(argv)
@@ -261,13 +267,24 @@ def make_model(t, seed: int, voice_window_steps: int = 38, dropout: float = 0.0)
     return TriggerModel(mcfg)
 
 
+def pool_batch(rng: np.random.Generator, streams: list[SynthStream], batch: int,
+               noised_share: float | None = None) -> list[SynthStream]:
+    """`batch` of the pool's `streams`: uniform over them, or each a noised one with probability
+    `noised_share` (then uniform among those)."""
+    if noised_share is None:
+        return [streams[int(i)] for i in rng.integers(len(streams), size=batch)]
+    groups = [[st for st in streams if st.noised == want] for want in (False, True)]
+    picks = [groups[int(rng.random() < noised_share)] for _ in range(batch)]
+    return [group[int(rng.integers(len(group)))] for group in picks]
+
+
 def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream_steps: int, lr: float,
         seed: int, ckpt: Path | None = None, ckpt_every: int = 100, resume: bool = True,
         stop_after: int | None = None, progress: bool = True, max_stream_steps: int | None = None,
         long_p: float = 0.0, voice_change_weight: float = 0.0, drop_track_p: float = 0.0,
         drop_poll_p: float = 0.0, code_aug_p: float = 0.0, pool: list[SynthStream] | None = None,
         activity_weight: float = 0.0, codebook_emb: str = "off", draw_seed: int | None = None,
-        init_weights: str = "") -> list[float]:
+        init_weights: str = "", voice_shift: float = 0.0, noised_share: float | None = None) -> list[float]:
     """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
 
     A share `long_p` of the steps trains on ONE stream of 1024..`max_stream_steps` steps instead of
@@ -286,7 +303,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     `code_aug_p` > 0 replaces that share of the fine audio codes by random ones (`augment_codes`).
     `codebook_emb` names how the caller initialised the audio embeddings (`init_audio_emb_from_codebooks`;
     a resume refuses another), and a frozen table stays out of the optimiser. `init_weights` names the
-    checkpoint the caller loaded into `model` ("" for a fresh network; a resume refuses another).
+    checkpoint the caller loaded into `model` ("" for a fresh network; a resume refuses another), and
+    `voice_shift` the pool's (`listen_audio.PoolSpec`; likewise).
 
     With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
     `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
@@ -296,7 +314,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
 
     With a `pool` (`listen_audio.load_or_build_pool`: streams whose listen row is encoded whole from
     audio), batches are drawn from it instead of synthesised: `batch` of its `stream_steps`-long
-    streams, or on a long step one of its longer ones.
+    streams, or on a long step one of its longer ones; with `noised_share` each short stream is a noised
+    one with that probability (None: uniform over the pool, half of it noised).
     """
     from tqdm import tqdm
 
@@ -316,14 +335,15 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         made = (state["model_cfg"], state["seed"], state.get("total_steps"), state.get("voice_change_weight", 0.0),
                 state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0), state.get("code_aug_p", 0.0),
                 state.get("pool_streams", 0), state.get("activity_weight", 0.0), state.get("codebook_emb", "off"),
-                state.get("draw_seed", state["seed"]), state.get("init_weights", ""))
+                state.get("draw_seed", state["seed"]), state.get("init_weights", ""), state.get("voice_shift", 0.0),
+                state.get("noised_share"))
         old_cfg = {**TriggerModelConfig().to_dict(), **made[0]}  # a state saved before a config field existed
         if (old_cfg, *made[1:]) != (model.cfg.to_dict(), seed, steps, voice_change_weight, drop_track_p, drop_poll_p,
                                     code_aug_p, len(pool or []), activity_weight, codebook_emb, draw_seed,
-                                    init_weights):
+                                    init_weights, voice_shift, noised_share):
             raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight, "
                              f"voice dropout, --code-aug-p, --listen-pool, --activity-weight, --codebook-emb, "
-                             f"--draw-seed or --init-weights; pass --no-resume or another --ckpt-dir")
+                             f"--draw-seed, --init-weights, --voice-shift or --noised-share; pass --no-resume or another --ckpt-dir")
         model.load_state_dict(state["model"])
         for name, h in heads.items():
             if h is not None:
@@ -337,6 +357,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     longer = [st for st in pool or [] if st.tokens.shape[0] > stream_steps]
     if pool is not None and not short:
         raise ValueError(f"the pool holds no stream of {stream_steps} steps (--stream-steps)")
+    if noised_share is not None and len({st.noised for st in short}) < 2:
+        raise ValueError("--noised-share needs clean and noised streams in the pool")
     model.train()
     bar = tqdm(range(start, end), initial=start, total=steps, desc="train trigger", unit="step", disable=not progress)
     for step in bar:
@@ -350,7 +372,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         elif b == 1 and longer:
             streams = [longer[int(rng.integers(len(longer)))]]
         else:
-            streams = [short[int(i)] for i in rng.integers(len(short), size=batch)]
+            streams = pool_batch(rng, short, batch, noised_share)
         voices = voices_of(model, cache, streams, rng, drop_track_p, drop_poll_p)
         tokens = np.stack([st.tokens for st in streams])  # B,T,17
         if code_aug_p > 0:  # drawn after the streams and the track: with 0 the run draws what it drew before
@@ -384,6 +406,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
                         "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p, "code_aug_p": code_aug_p,
                         "pool_streams": len(pool or []), "activity_weight": activity_weight,
                         "codebook_emb": codebook_emb, "draw_seed": draw_seed, "init_weights": init_weights,
+                        "voice_shift": voice_shift, "noised_share": noised_share,
                         **{name: h.state_dict() if h is not None else None for name, h in heads.items()}}, tmp)
             tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
     model.eval()
@@ -407,7 +430,7 @@ def train(args: argparse.Namespace) -> dict:
             raise SystemExit("--listen-pool evaluates on held-out audio: pass --data <LibriSpeech root>")
         codec = build_codec(cfg.mimi)
         spec = PoolSpec(layouts=args.listen_pool, steps=args.stream_steps, max_steps=args.max_stream_steps,
-                        seed=args.seed)
+                        seed=args.seed, voice_shift=args.voice_shift)
         pool = load_or_build_pool(args.cache_dir, train_cache, codec, spec, args.data)
         listen = (SourceAudio.load(args.data, "heldout"), codec)
     if args.codebook_emb != "off":
@@ -427,7 +450,8 @@ def train(args: argparse.Namespace) -> dict:
                  voice_change_weight=args.voice_change_weight, drop_track_p=args.drop_track_p,
                  drop_poll_p=args.drop_poll_p, code_aug_p=args.code_aug_p, pool=pool,
                  activity_weight=args.activity_weight, codebook_emb=args.codebook_emb, draw_seed=args.draw_seed,
-                 init_weights=str(args.init_weights or ""))
+                 init_weights=str(args.init_weights or ""), voice_shift=args.voice_shift,
+                 noised_share=args.noised_share)
     train_s = time.time() - t0
     results = {cond: evaluate_model(model, held_cache, args.eval_streams, args.seed, noised=(cond == "noised"),
                                  decoding=cfg.trigger, listen=listen)
@@ -442,6 +466,8 @@ def train(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "steps": args.steps,
         "init_weights": str(args.init_weights or ""),
+        "voice_shift": args.voice_shift,
+        "noised_share": args.noised_share,
         "final_loss": float(np.mean(losses[-50:])) if losses else float("nan"),
         "heldout": json.dumps(results),
     }
