@@ -185,10 +185,15 @@ def test_cli_needs_data_to_build_a_missing_cache(tmp_path):
         main(["--cache-dir", str(tmp_path), "--out", str(tmp_path / "t.safetensors"), "--steps", "1"])
 
 
-def test_a_run_of_no_steps_is_refused_before_any_work(tmp_path, capsys):
+def test_no_steps_or_an_out_of_range_option_is_refused_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--cache-dir", str(tmp_path), "--steps", "0"])
     assert "--steps must be at least 1" in capsys.readouterr().err
+    for flag, value, says in (("--noised-share", "1.5", "[0, 1]"), ("--voice-shift", "-2", "0 or more")):
+        with pytest.raises(SystemExit):
+            main(["--cache-dir", str(tmp_path), flag, value])
+        assert says in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before a cache or pool was built
 
 
 def test_the_text_channel_is_a_real_monologue_inside_sessions(cache):

@@ -134,6 +134,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.voice_shift < 0:
+        p.error(f"--voice-shift is a range in semitones, 0 or more (got {args.voice_shift})")
+    if args.noised_share is not None and not 0 <= args.noised_share <= 1:
+        p.error(f"--noised-share must lie in [0, 1] (got {args.noised_share})")
     return args
 
 
@@ -304,7 +308,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     `codebook_emb` names how the caller initialised the audio embeddings (`init_audio_emb_from_codebooks`;
     a resume refuses another), and a frozen table stays out of the optimiser. `init_weights` names the
     checkpoint the caller loaded into `model` ("" for a fresh network; a resume refuses another), and
-    `voice_shift` the pool's (`listen_audio.PoolSpec`; likewise).
+    `voice_shift` the pool's (`listen_audio.PoolSpec`) and `noised_share` the batches' (likewise).
 
     With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
     `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
@@ -343,7 +347,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
                                     init_weights, voice_shift, noised_share):
             raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight, "
                              f"voice dropout, --code-aug-p, --listen-pool, --activity-weight, --codebook-emb, "
-                             f"--draw-seed, --init-weights, --voice-shift or --noised-share; pass --no-resume or another --ckpt-dir")
+                             f"--draw-seed, --init-weights, --voice-shift or --noised-share; "
+                             f"pass --no-resume or another --ckpt-dir")
         model.load_state_dict(state["model"])
         for name, h in heads.items():
             if h is not None:
