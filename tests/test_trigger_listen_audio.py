@@ -119,8 +119,8 @@ def test_the_pool_is_seeded_per_shard_resumes_and_refuses_another_codec(cache, c
 
 
 def test_a_voice_shift_moves_each_users_pitch_and_nothing_else_and_names_its_own_pool(cache, audio):
-    """`--voice-shift`: another pitch (and vocal tract) at the same duration, one per user per stream; the
-    gaps stay the floor; a pool without it keeps the shard names pools had before the option."""
+    """`--voice-shift`: a tone lands at the shifted pitch at the same duration; a stream's user speech moves
+    while its gaps stay the floor; a pool without it keeps the shard names pools had before the option."""
     import hashlib
 
     tone = np.sin(2 * np.pi * 200 * np.arange(24_000) / 24_000).astype(np.float32)

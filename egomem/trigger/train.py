@@ -141,12 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def load_or_build_cache(args: argparse.Namespace, mimi_cfg, split: str) -> CodeCache:
-    """The split's code cache for this Mimi, built (once) from --data if it is not there yet."""
-    from egomem.trigger.codec import build_codec, codec_fingerprint
-
-    codec = build_codec(mimi_cfg)
-    fp = codec_fingerprint(codec)
+def load_or_build_cache(args: argparse.Namespace, codec, fp: str, split: str) -> CodeCache:
+    """The split's code cache for this Mimi (`codec`, its fingerprint `fp`), built (once) from --data if it is
+    not there yet."""
     path = cache_path(args.cache_dir, split, fp, args.seed)
     if path.is_file():
         return CodeCache.load(path)
@@ -271,6 +268,21 @@ def make_model(t, seed: int, voice_window_steps: int = 38, dropout: float = 0.0)
     return TriggerModel(mcfg)
 
 
+# What a resumable state records of how its run was made, each with the option that sets it: a resume with
+# another is refused, naming the options that differ.
+RESUME_RECIPE = {
+    "model_cfg": "trigger config (dims, dropout)", "seed": "--seed", "total_steps": "--steps",
+    "voice_change_weight": "--voice-change-weight", "drop_track_p": "--drop-track-p (voice dropout)",
+    "drop_poll_p": "--drop-poll-p (voice dropout)", "code_aug_p": "--code-aug-p", "pool_streams": "--listen-pool",
+    "activity_weight": "--activity-weight", "codebook_emb": "--codebook-emb", "draw_seed": "--draw-seed",
+    "init_weights": "--init-weights", "voice_shift": "--voice-shift", "noised_share": "--noised-share",
+}
+# what a state saved before a recipe field existed ran with (draw_seed: its seed, model_cfg: today's defaults)
+RESUME_BEFORE = {"total_steps": None, "voice_change_weight": 0.0, "drop_track_p": 0.0, "drop_poll_p": 0.0,
+                 "code_aug_p": 0.0, "pool_streams": 0, "activity_weight": 0.0, "codebook_emb": "off",
+                 "init_weights": "", "voice_shift": 0.0, "noised_share": None}
+
+
 def pool_batch(rng: np.random.Generator, streams: list[SynthStream], batch: int,
                noised_share: float | None = None) -> list[SynthStream]:
     """`batch` of the pool's `streams`: uniform over them, or each a noised one with probability
@@ -333,22 +345,21 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * min(1.0, s / steps))))
+    recipe = {"model_cfg": model.cfg.to_dict(), "seed": seed, "total_steps": steps,
+              "voice_change_weight": voice_change_weight, "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p,
+              "code_aug_p": code_aug_p, "pool_streams": len(pool or []), "activity_weight": activity_weight,
+              "codebook_emb": codebook_emb, "draw_seed": draw_seed, "init_weights": init_weights,
+              "voice_shift": voice_shift, "noised_share": noised_share}
+    assert recipe.keys() == RESUME_RECIPE.keys()
     start, losses = 0, []
     if ckpt is not None and ckpt.is_file() and resume:
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        made = (state["model_cfg"], state["seed"], state.get("total_steps"), state.get("voice_change_weight", 0.0),
-                state.get("drop_track_p", 0.0), state.get("drop_poll_p", 0.0), state.get("code_aug_p", 0.0),
-                state.get("pool_streams", 0), state.get("activity_weight", 0.0), state.get("codebook_emb", "off"),
-                state.get("draw_seed", state["seed"]), state.get("init_weights", ""), state.get("voice_shift", 0.0),
-                state.get("noised_share"))
-        old_cfg = {**TriggerModelConfig().to_dict(), **made[0]}  # a state saved before a config field existed
-        if (old_cfg, *made[1:]) != (model.cfg.to_dict(), seed, steps, voice_change_weight, drop_track_p, drop_poll_p,
-                                    code_aug_p, len(pool or []), activity_weight, codebook_emb, draw_seed,
-                                    init_weights, voice_shift, noised_share):
-            raise SystemExit(f"{ckpt} was made with another model config, seed, --steps, --voice-change-weight, "
-                             f"voice dropout, --code-aug-p, --listen-pool, --activity-weight, --codebook-emb, "
-                             f"--draw-seed, --init-weights, --voice-shift or --noised-share; "
-                             f"pass --no-resume or another --ckpt-dir")
+        made = {**RESUME_BEFORE, "draw_seed": state["seed"], **{k: state[k] for k in recipe if k in state}}
+        made["model_cfg"] = {**TriggerModelConfig().to_dict(), **made["model_cfg"]}
+        differ = [RESUME_RECIPE[k] for k in recipe if made[k] != recipe[k]]
+        if differ:
+            raise SystemExit(f"{ckpt} was made with another {', '.join(differ)}; pass --no-resume or another "
+                             f"--ckpt-dir")
         model.load_state_dict(state["model"])
         for name, h in heads.items():
             if h is not None:
@@ -406,12 +417,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step + 1, "losses": losses, "model_cfg": model.cfg.to_dict(), "seed": seed,
-                        "total_steps": steps, "voice_change_weight": voice_change_weight,
-                        "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p, "code_aug_p": code_aug_p,
-                        "pool_streams": len(pool or []), "activity_weight": activity_weight,
-                        "codebook_emb": codebook_emb, "draw_seed": draw_seed, "init_weights": init_weights,
-                        "voice_shift": voice_shift, "noised_share": noised_share,
+                        "step": step + 1, "losses": losses, **recipe,
                         **{name: h.state_dict() if h is not None else None for name, h in heads.items()}}, tmp)
             tmp.replace(ckpt)  # atomic: a kill mid-save leaves the previous checkpoint intact
     model.eval()
@@ -422,29 +428,26 @@ def train(args: argparse.Namespace) -> dict:
     cfg = load_config(args.config)
     if args.threads:
         torch.set_num_threads(args.threads)
-    train_cache = load_or_build_cache(args, cfg.mimi, "train")
-    held_cache = load_or_build_cache(args, cfg.mimi, "heldout")
+    from egomem.trigger.codec import build_codec, codebook_vectors, codec_fingerprint
+
+    codec = build_codec(cfg.mimi)  # one per run: the caches, the pool, the code embeddings and the metadata read it
+    fp = codec_fingerprint(codec)
+    train_cache = load_or_build_cache(args, codec, fp, "train")
+    held_cache = load_or_build_cache(args, codec, fp, "heldout")
     model = make_model(cfg.trigger, args.seed, int(np.ceil(cfg.orchestrator.identify_window_s / STEP_S - 1e-9)),
                        dropout=args.dropout)
     pool, listen = None, None
     if args.listen_pool:
-        from egomem.trigger.codec import build_codec
         from egomem.trigger.listen_audio import PoolSpec, SourceAudio, load_or_build_pool
 
         if args.data is None:
             raise SystemExit("--listen-pool evaluates on held-out audio: pass --data <LibriSpeech root>")
-        codec = build_codec(cfg.mimi)
         spec = PoolSpec(layouts=args.listen_pool, steps=args.stream_steps, max_steps=args.max_stream_steps,
                         seed=args.seed, voice_shift=args.voice_shift)
         pool = load_or_build_pool(args.cache_dir, train_cache, codec, spec, args.data)
         listen = (SourceAudio.load(args.data, "heldout"), codec)
     if args.codebook_emb != "off":
-        from egomem.trigger.codec import build_codec, codebook_vectors
-
-        init_audio_emb_from_codebooks(model, codebook_vectors(build_codec(cfg.mimi)), args.codebook_emb == "frozen")
-    from egomem.trigger.codec import build_codec, codec_fingerprint
-
-    fp = codec_fingerprint(build_codec(cfg.mimi))
+        init_audio_emb_from_codebooks(model, codebook_vectors(codec), args.codebook_emb == "frozen")
     if args.init_weights is not None:
         load_start(model, args.init_weights, fp)
     ckpt = args.ckpt_dir / "last.pt"
