@@ -7,7 +7,11 @@ spans and span_match@{0,5,10} precision/recall/F1 over `--streams` held-out stre
 stream one background of any kind at 0-20 dB SNR) and encoded whole by the configured codec, as serving's
 `mimi_codec` encodes a live stream (egomem.trigger.listen_audio); `--listen codes` splices it from the
 code cache's per-utterance codes, the benchmark before (a trigger trained on spliced rows learnt the
-splice: held-out clean F1@5 0.891 spliced, 0.447 encoded whole).
+splice: held-out clean F1@5 0.891 spliced, 0.447 encoded whole). The voice polls a tagger reading the
+voice track gets (and the identity split reads) are by default (`--voice-track heard`) what serving
+records: the speaker encoder on the last 3 s of the stream's laid-out audio every 2 s, echo and background
+included (`listen_audio.heard_voices`); `--voice-track cached` reads them from the cached utterances'
+partials, the benchmark before session 62, which serving never sees (docs/trigger.md).
 A third condition, clean streams without user switches, shows how much of the error is telling
 two users apart across a short pause (voice only). Segmenters per condition:
   - trigger: the shipped tagger alone, decoded as the labeler decodes (`trigger.short_gap_cost`, boundaries
@@ -133,6 +137,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="audio: each stream's listen row laid out as audio and encoded whole by the codec, as "
                         "serving's mimi_codec encodes a live stream (needs --data); codes: spliced from the "
                         "cache's per-utterance codes (the benchmark before; no audio needed)")
+    p.add_argument("--voice-track", choices=["heard", "cached"], default="heard",
+                   help="heard: the voice polls serving records, the speaker encoder on the last 3 s of each stream's "
+                        "laid-out audio (echo and background included) every 2 s (listen_audio.heard_voices; needs "
+                        "--listen audio); cached: the cached utterances' GE2E partials (synth.poll_voices; the "
+                        "benchmark before session 62)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="LibriSpeech root with cohort/ and test-other/ (the held-out sources' audio)")
     p.add_argument("--streams", type=int, default=200, help="held-out streams per condition")
@@ -168,9 +177,17 @@ def main(argv: list[str] | None = None) -> dict:
         if codec_fingerprint(codec) != cache.fingerprint:
             raise SystemExit(f"{args.cache} was encoded by another codec than the configured one")
         listen = (SourceAudio.load(args.data, "heldout"), codec)
+    speaker = None
+    if args.voice_track == "heard":
+        if listen is None:
+            raise SystemExit("--voice-track heard embeds each stream's audio: it needs --listen audio "
+                             "(or pass --voice-track cached)")
+        from egomem.trigger.listen_audio import heard_encoder
+
+        speaker = heard_encoder()
 
     results: dict = {"checkpoint": str(labeler.checkpoint), "cache": str(args.cache), "device": args.device,
-                     "listen": args.listen,
+                     "listen": args.listen, "voice_track": args.voice_track,
                      "peer_checkpoint": str(peer.checkpoint) if peer else None,
                      "threads": torch.get_num_threads(), "streams_per_condition": args.streams,
                      "stream_steps": args.stream_steps,
@@ -201,8 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
             out["peer_trigger"] = []
         golds, polls, backgrounds, snrs = [], 0, [], []
         for _ in range(args.streams):
-            s = draw_stream(cache, rng, cspec, noised, listen)
-            voices = poll_voices(cache, s)
+            s = draw_stream(cache, rng, cspec, noised, listen, speaker)
+            voices = s.voices if s.voices is not None else poll_voices(cache, s)
             polls += len(voices)
             log_probs = labeler.log_probs(s.tokens, voices)
             pred = decode_sessions(configured_decode(log_probs, tcfg))  # = labeler.label(s.tokens, voices)
@@ -230,8 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
         out = {"trigger": [], "trigger_one_pass": [], "activity_peer": []}
         golds = []
         for _ in range(args.long_streams):
-            s = draw_stream(cache, rng, cspec, noised, listen)
-            voices = poll_voices(cache, s)
+            s = draw_stream(cache, rng, cspec, noised, listen, speaker)
+            voices = s.voices if s.voices is not None else poll_voices(cache, s)
             out["trigger"].append(decode_sessions(labeler.label(s.tokens, voices)))
             out["trigger_one_pass"].append(decode_sessions(one_pass.label(s.tokens, voices)))
             out["activity_peer"].append(activity_segmenter(s.tokens))

@@ -14,6 +14,13 @@ laid out as audio and encoded whole) and labels each with the shipped trigger th
     noise-robust student encoder), the trigger unchanged;
   - trigger:PATH (session 58): another trigger checkpoint labelling the same row (two recipes on the
     same streams, e.g. `--codebook-emb frozen` against its peer).
+  - heard (session 62): the shipped trigger on the same row with the voice track serving records: the
+    speaker encoder on the last 3 s of the row's audio every 2 s (`listen_audio.heard_voices`), not the
+    cached per-utterance partials (`synth.poll_voices`, each utterance under its own noise) the benchmark
+    and the training pool use. heard+trigger:PATH: that checkpoint with the heard track. heard_noecho: the
+    heard track of the same stream laid out without the assistant's echo (a microphone with echo
+    cancellation; the same users at the same levels, another draw of any background). novoice: the
+    shipped trigger with no voice track at all (what steps without a poll see).
 It also reports, per gold session that opens with the user, how many steps after the gold start Silero
 first hears speech (p >= 0.5) on the clean and on the noised audio: how audible the first words are
 (with `vad_onset` among `--front-ends`).
@@ -50,7 +57,7 @@ from bench_trigger import DEFAULT_CACHE, DEFAULT_DATA, noise_breakdown
 from egomem.config import REPO_ROOT, TriggerConfig, load_config
 from egomem.trigger import TriggerLabeler, decode_sessions
 from egomem.trigger.codec import build_codec
-from egomem.trigger.listen_audio import FRAME, SourceAudio, listen_waveform, with_listen_row
+from egomem.trigger.listen_audio import FRAME, SourceAudio, heard_voices, listen_waveform, with_listen_row
 from egomem.trigger.metrics import error_breakdown, evaluate
 from egomem.trigger.synth import CodeCache, StreamSpec, poll_voices, synth_recorded
 
@@ -184,20 +191,27 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--conditions", default="clean,noised", help="which to run (two processes can share the work)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--front-ends", default="rnnoise,vad_onset",
-                   help="comma-separated: rnnoise, vad_onset, codec:<Mimi safetensors>, trigger:<checkpoint> "
-                        "(each beside the shipped trigger)")
+                   help="comma-separated: rnnoise, vad_onset, heard, codec:<Mimi safetensors>, trigger:<checkpoint>, "
+                        "heard+trigger:<checkpoint> (each beside the shipped trigger)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "diag_trigger_frontend.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     front_ends = [f for f in args.front_ends.split(",") if f]
-    unknown = [f for f in front_ends if f not in ("rnnoise", "vad_onset") and not f.startswith(("codec:", "trigger:"))]
+    unknown = [f for f in front_ends if f not in ("rnnoise", "vad_onset", "heard", "heard_noecho", "novoice")
+               and not f.startswith(("codec:", "trigger:", "heard+trigger:"))]
     if unknown:
-        raise SystemExit(f"unknown --front-ends {unknown}; allowed: rnnoise, vad_onset, codec:<path>, trigger:<path>")
+        raise SystemExit(f"unknown --front-ends {unknown}; allowed: rnnoise, vad_onset, heard, codec:<path>, "
+                         "trigger:<path>, heard+trigger:<path>")
     denoise = RNNoise() if "rnnoise" in front_ends else None
     vad = SileroSteps() if "vad_onset" in front_ends else None
     codecs = {f: other_codec(Path(f.split(":", 1)[1])) for f in front_ends if f.startswith("codec:")}
     triggers = {f: TriggerLabeler(dataclasses.replace(TriggerConfig(), checkpoint=Path(f.split(":", 1)[1])))
-                for f in front_ends if f.startswith("trigger:")}
+                for f in front_ends if f.startswith(("trigger:", "heard+trigger:"))}
+    speaker = None
+    if any(f.startswith("heard") for f in front_ends):
+        from egomem.identity.voice import build_speaker_encoder
+
+        speaker = build_speaker_encoder(load_config(None).identity)
     tcfg = TriggerConfig()
     labeler = TriggerLabeler(tcfg)
     cache = CodeCache.load(DEFAULT_CACHE)
@@ -225,8 +239,20 @@ def main(argv: list[str] | None = None) -> dict:
             if denoise is not None:
                 preds["rnnoise"].append(decode_sessions(labeler.label(
                     with_listen_row(layout, codec, denoise(wave), kind, snr).tokens, voices)))
+            heard = heard_voices(wave, speaker) if speaker is not None else None
+            if "heard" in preds:
+                preds["heard"].append(decode_sessions(labeler.label(s.tokens, heard)))
+            if "novoice" in preds:
+                preds["novoice"].append(decode_sessions(labeler.label(s.tokens, None)))
+            if "heard_noecho" in preds:
+                again = np.random.default_rng()
+                again.bit_generator.state = before  # the same user levels; no echo drawn
+                quiet_wave, _, _ = listen_waveform(dataclasses.replace(layout, echoes=[]), audio, again,
+                                                   cond == "noised")
+                preds["heard_noecho"].append(decode_sessions(labeler.label(s.tokens, heard_voices(quiet_wave, speaker))))
             for name, other in triggers.items():
-                preds[name].append(decode_sessions(other.label(s.tokens, voices)))
+                track = heard if name.startswith("heard+") else voices
+                preds[name].append(decode_sessions(other.label(s.tokens, track)))
             for name, other in codecs.items():
                 preds[name].append(decode_sessions(labeler.label(
                     with_listen_row(layout, other, wave, kind, snr).tokens, voices)))

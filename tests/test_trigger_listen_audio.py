@@ -179,3 +179,84 @@ def test_the_one_pass_codes_are_what_the_served_codec_writes_frame_by_frame(cach
     assert float((np.stack(frames) == whole).mean()) >= 0.9
     spliced = layout.tokens[:, 9:]
     assert float((spliced == whole).mean()) < 0.5  # the splice (of other audio levels) is not what serving writes
+
+
+def test_the_heard_voice_track_polls_the_speaker_encoder_on_the_last_window_of_the_audio():
+    """`heard_voices`: every 25 steps from step 24, the configured speaker encoder over the last 38 steps of the
+    microphone's audio, as the polling loop records it; a poll its VAD gate refuses (silence) records nothing,
+    and a poll over one speaker's speech is that speaker's voice."""
+    import soundfile as sf
+    from scipy.signal import resample_poly
+
+    from egomem.config import IdentityConfig
+    from egomem.identity.voice import build_speaker_encoder
+    from egomem.trigger.listen_audio import heard_voices
+
+    asr = Path(__file__).parent / "data" / "asr"  # LibriSpeech, two speakers (ATTRIBUTION.md there)
+    a, _ = sf.read(asr / "1688-142285-0000.flac", dtype="float32")  # 15 s of speaker 1688
+    b, _ = sf.read(asr / "2414-128291-0008.flac", dtype="float32")  # 3 s of speaker 2414
+    a24, b24 = (resample_poly(x, 3, 2).astype(np.float32) for x in (a[:16000 * 6], b))
+    silence = np.zeros(FRAME * 60, np.float32)  # 4.8 s from step 75: a whole window of nothing inside it
+    wave = np.concatenate([a24, silence, b24, silence[:FRAME * 15]])
+    wave = np.pad(wave, (0, (-len(wave)) % FRAME))
+    encoder = build_speaker_encoder(IdentityConfig())
+    track = heard_voices(wave, encoder)
+    T = len(wave) // FRAME
+    steps = [t for t, _ in track]
+    assert set(steps) <= set(range(24, T, 25)) and steps == sorted(steps)
+    quiet = [t for t in range(24, T, 25) if t - 37 >= 75 and t < 135]  # a window inside the silence
+    assert quiet and not set(quiet) & set(steps)
+    for t, v in track:
+        expect = encoder.encode(wave[max(0, t - 37) * FRAME:(t + 1) * FRAME], 24000).embedding
+        np.testing.assert_allclose(v, expect, atol=1e-5)
+    ref_a = encoder.encode(resample_poly(a[16000 * 6:], 3, 2).astype(np.float32), 24000).embedding  # unheard audio
+    first, last = track[0][1], track[-1][1]  # speaker 1688 at step 24; speaker 2414 at the end
+    assert steps[0] == 24 and steps[-1] >= 135 + 37
+    assert float(first @ ref_a) > float(last @ ref_a) + 0.1
+
+
+def test_a_heard_voices_pool_stores_each_streams_heard_track_and_training_reads_it(cache, codec, tmp_path, monkeypatch):
+    """`PoolSpec.heard_voices` (`train-trigger --heard-voices`): each pool stream carries the track the polling
+    loop would record from its laid-out audio (the same streams otherwise, their own shard names), the shard
+    keeps it through save and load, and `track_features` reads it instead of the cached partials."""
+    import soundfile as sf
+    from scipy.signal import resample_poly
+
+    import egomem.trigger.listen_audio as la
+    from egomem.trigger.listen_audio import heard_encoder, heard_voices
+    from egomem.trigger.synth import poll_voices, track_features
+    from egomem.trigger.voice_track import voice_features
+
+    asr = Path(__file__).parent / "data" / "asr"  # real speech, so the encoder's VAD gate opens
+    clips = [resample_poly(sf.read(f, dtype="float32")[0], 3, 2).astype(np.float32)
+             for f in sorted(asr.glob("*.flac"))]
+
+    def speech(i: int, n_steps: int) -> np.ndarray:
+        c = clips[i % len(clips)]
+        return np.tile(c, -(-n_steps * FRAME // len(c)))[:n_steps * FRAME]
+
+    audio = SourceAudio([speech(i, len(u["vad"])) for i, u in enumerate(cache.users)],
+                        [speech(i, len(a["vad"])) for i, a in enumerate(cache.assistant)])
+    monkeypatch.setattr(la, "POOL_SHARD", 2)
+    monkeypatch.setattr(la.SourceAudio, "load", classmethod(lambda cls, root, split: audio))
+    spec = PoolSpec(layouts=2, steps=160, long_p=0.0, seed=5, heard_voices=True)
+    plain = PoolSpec(layouts=2, steps=160, long_p=0.0, seed=5)
+    assert spec.key("f") != plain.key("f")
+    heard = load_or_build_pool(tmp_path, cache, codec, spec, tmp_path, progress=False)
+    cached = load_or_build_pool(tmp_path, cache, codec, plain, tmp_path, progress=False)
+    assert len(heard) == 4 and all(h.voices is not None and c.voices is None for h, c in zip(heard, cached))
+    assert all((h.tokens == c.tokens).all() and h.sessions == c.sessions for h, c in zip(heard, cached))
+    assert sum(len(h.voices) for h in heard) >= 4  # real speech: the gate opened on the polls that hear a user
+    # the stored track is the one heard from the stream's audio (rebuilt here from the same draws)
+    from egomem.trigger.synth import StreamSpec, synth_recorded
+
+    rng = np.random.default_rng([5, 100, 1])  # layout 1 (layout 0 drew a stream with no one in it)
+    assert rng.random() >= spec.long_p  # pool_layout's draw of the stream's length: a short one
+    layout = synth_recorded(cache, rng, StreamSpec(steps=160), noised=False)
+    wave, _, _ = la.listen_waveform(layout, audio, rng, False)
+    again = heard_voices(wave, heard_encoder())
+    assert [t for t, _ in again] == [t for t, _ in heard[2].voices] and again
+    np.testing.assert_allclose(np.stack([v for _, v in again]), np.stack([v for _, v in heard[2].voices]), atol=1e-5)
+    feats = track_features(cache, heard[2], 256, 38)
+    np.testing.assert_array_equal(feats, voice_features(heard[2].voices, 160, 256, 38))
+    assert not np.array_equal(feats, voice_features(poll_voices(cache, heard[2]), 160, 256, 38))

@@ -193,6 +193,9 @@ def test_no_steps_or_an_out_of_range_option_is_refused_before_any_work(tmp_path,
         with pytest.raises(SystemExit):
             main(["--cache-dir", str(tmp_path), flag, value])
         assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # heard tracks embed each pool stream's audio: no pool, nothing to hear
+        main(["--cache-dir", str(tmp_path), "--heard-voices", "--listen-pool", "0"])
+    assert "it needs --listen-pool" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # refused before a cache or pool was built
 
 

@@ -17,8 +17,13 @@ in a noised copy one background (`noise.background`, any kind) at 0-20 dB SNR to
 `build_pool` makes a seeded set of such streams (each layout once clean, once noised, as the
 paper's noised copies) that training draws from: encoding costs ~0.7 s per minute of audio on one
 core, too much to do for every training batch.
-Not rebuilt: the voice partials the polling loop reads stay those of the cached utterances
-(`poll_voices`; a noised copy reads the cached noised partials).
+The voice track: by default a stream's polls are read from the cached utterances' voice partials
+(`synth.poll_voices`; a noised copy reads the cached noised partials, each utterance under its own noise).
+That is not what serving records: the polling loop embeds the last 3 s of the microphone, echo and
+background included, gated by the speaker encoder's VAD. `heard_voices` plays that over the laid-out
+audio, and a pool built with `PoolSpec.heard_voices` stores each stream's heard track (`SynthStream.voices`)
+for training to read (session 62: the shipped trigger, trained on cached tracks, loses 0.19 clean and
+0.22 noised span F1@5 when it reads heard ones; docs/trigger.md).
 """
 
 from __future__ import annotations
@@ -111,6 +116,24 @@ def listen_waveform(stream: SynthStream, audio: SourceAudio, rng: np.random.Gene
     return x.astype(np.float32), kind, snr
 
 
+def heard_voices(wave: np.ndarray, encoder, poll_steps: int = 25, window_steps: int = 38,
+                 first_poll: int = 24) -> list[tuple[int, np.ndarray]]:
+    """The (step, voice embedding) track the orchestrator's polling loop records from a microphone that
+    heard `wave` (24 kHz, the listen row's audio: users, echo and background as laid out): every `poll_steps`
+    from `first_poll` on, the configured speaker encoder (`identity.voice.build_speaker_encoder`: its VAD
+    gate, then the embedding of the speech it keeps) over the last `window_steps` of audio; a poll the gate
+    refuses records nothing. Unlike `synth.poll_voices` (cached per-utterance partials, each utterance under
+    its own noise), the track hears what the codes hear. Defaults as `poll_voices`'."""
+    out: list[tuple[int, np.ndarray]] = []
+    T = len(wave) // FRAME
+    for t in range(first_poll, T, poll_steps):
+        lo = max(0, t - window_steps + 1)
+        result = encoder.encode(wave[lo * FRAME:(t + 1) * FRAME], 24000)
+        if result.embedding is not None:
+            out.append((t, np.asarray(result.embedding, np.float32)))
+    return out
+
+
 def encode_listen(stream: SynthStream, audio: SourceAudio, codec, rng: np.random.Generator, noised: bool,
                   voice_shift: float = 0.0) -> SynthStream:
     """A copy of `stream` whose listen row is `listen_waveform` encoded in one pass by `codec`."""
@@ -130,16 +153,23 @@ def with_listen_row(stream: SynthStream, codec, wave: np.ndarray, background: st
                                snr_db=snr_db)
 
 
-def draw_stream(cache, rng: np.random.Generator, spec, noised: bool, listen: tuple | None = None) -> SynthStream:
+def draw_stream(cache, rng: np.random.Generator, spec, noised: bool, listen: tuple | None = None,
+                speaker=None) -> SynthStream:
     """One stream drawn from `rng`: its listen row spliced from `cache`'s codes (`listen` None, as
     `synth.synth_recorded`), or laid out and encoded whole (`listen` = (SourceAudio, codec)) over the
-    layout of a clean stream, the noise of a noised one added to the audio."""
+    layout of a clean stream, the noise of a noised one added to the audio; then, with a `speaker`
+    encoder, its heard voice track (`heard_voices`; it draws nothing from `rng`)."""
     from egomem.trigger.synth import synth_recorded
 
     if listen is None:
+        if speaker is not None:
+            raise ValueError("a heard voice track needs the stream's audio: pass listen=(SourceAudio, codec)")
         return synth_recorded(cache, rng, spec, noised=noised)
     audio, codec = listen
-    return encode_listen(synth_recorded(cache, rng, spec, noised=False), audio, codec, rng, noised)
+    layout = synth_recorded(cache, rng, spec, noised=False)
+    wave, kind, snr = listen_waveform(layout, audio, rng, noised)
+    s = with_listen_row(layout, codec, wave, kind, snr)
+    return s if speaker is None else dataclasses.replace(s, voices=heard_voices(wave, speaker))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,27 +191,38 @@ class PoolSpec:
     max_steps: int = 8192
     seed: int = 0
     voice_shift: float = 0.0
+    heard_voices: bool = False  # store each stream's heard voice track (`heard_voices`), not the cached partials'
 
     def key(self, fingerprint: str) -> str:
         """Names the pool's shard files; `layouts` is not in it, so a larger pool reuses a smaller one's shards
-        (`voice_shift` only when set, so pools built before it keep their names)."""
+        (`voice_shift` and `heard_voices` only when set, so pools built before them keep their names)."""
         import hashlib
 
         text = f"{POOL_VERSION}-{fingerprint}-{self.steps}-{self.long_p}-{self.max_steps}-{self.seed}"
         if self.voice_shift:
             text += f"-vs{self.voice_shift}"
+        if self.heard_voices:
+            text += "-heard"
         return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def pool_layout(cache, audio: SourceAudio, codec, spec: PoolSpec, i: int) -> tuple[SynthStream, SynthStream]:
-    """Layout i of a pool, clean and noised (deterministic in (spec.seed, i): shards build in any order)."""
+def pool_layout(cache, audio: SourceAudio, codec, spec: PoolSpec, i: int, speaker=None
+                ) -> tuple[SynthStream, SynthStream]:
+    """Layout i of a pool, clean and noised (deterministic in (spec.seed, i): shards build in any order);
+    with `spec.heard_voices`, each with its heard voice track from `speaker` (the configured speaker encoder)."""
     from egomem.trigger.synth import StreamSpec, synth_recorded
 
+    if spec.heard_voices and speaker is None:
+        raise ValueError("a pool of heard voice tracks needs the speaker encoder (identity.voice.build_speaker_encoder)")
     rng = np.random.default_rng([spec.seed, 100, i])
     steps = int(rng.integers(1024, spec.max_steps + 1)) if rng.random() < spec.long_p else spec.steps
     layout = synth_recorded(cache, rng, StreamSpec(steps=steps), noised=False)
-    return (encode_listen(layout, audio, codec, rng, False, spec.voice_shift),
-            encode_listen(layout, audio, codec, rng, True, spec.voice_shift))
+    out = []
+    for noised in (False, True):
+        wave, kind, snr = listen_waveform(layout, audio, rng, noised, spec.voice_shift)
+        s = with_listen_row(layout, codec, wave, kind, snr)
+        out.append(dataclasses.replace(s, voices=heard_voices(wave, speaker)) if spec.heard_voices else s)
+    return out[0], out[1]
 
 
 def save_streams(path: Path, streams: list[SynthStream], fingerprint: str = "") -> None:
@@ -196,6 +237,10 @@ def save_streams(path: Path, streams: list[SynthStream], fingerprint: str = "") 
         arrays[f"{j}/session_users"] = np.asarray(s.session_users, np.int32)
         arrays[f"{j}/noised"] = np.array(s.noised)
         arrays[f"{j}/background"] = np.array(s.background or "")
+        if s.voices is not None:  # the heard track: (step, embedding) rows
+            arrays[f"{j}/voice_steps"] = np.asarray([t for t, _ in s.voices], np.int32)
+            arrays[f"{j}/voice_vecs"] = (np.stack([v for _, v in s.voices]).astype(np.float32) if s.voices
+                                         else np.zeros((0, 0), np.float32))  # no poll the gate let through
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez_compressed(tmp, **arrays)
     tmp.replace(path)  # atomic: a killed build leaves no half shard
@@ -208,12 +253,15 @@ def load_streams(path: Path, fingerprint: str | None = None) -> list[SynthStream
         raise ValueError(f"{path} was encoded by codec {str(z['fingerprint'])!r}, not {fingerprint!r}: rebuild it")
     out = []
     for j in range(len({k.split("/")[0] for k in z.files if "/" in k})):
+        voices = None
+        if f"{j}/voice_steps" in z.files:
+            voices = [(int(t), v) for t, v in zip(z[f"{j}/voice_steps"], z[f"{j}/voice_vecs"], strict=True)]
         out.append(SynthStream(
             tokens=z[f"{j}/tokens"].astype(np.int64), labels=z[f"{j}/labels"].astype(np.int64),
             sessions=[(int(a), int(b)) for a, b in z[f"{j}/sessions"]],
             session_users=[int(u) for u in z[f"{j}/session_users"]],
             speaker=z[f"{j}/speaker"].astype(np.int64), speaker_pos=z[f"{j}/speaker_pos"].astype(np.int64),
-            noised=bool(z[f"{j}/noised"]), background=str(z[f"{j}/background"]) or None))
+            noised=bool(z[f"{j}/noised"]), background=str(z[f"{j}/background"]) or None, voices=voices))
     return out
 
 
@@ -237,22 +285,35 @@ def load_or_build_pool(pool_dir: Path, cache, codec, spec: PoolSpec, data_root: 
         if data_root is None:
             raise SystemExit(f"listen pool {paths[missing[0]]} is missing: pass --data <LibriSpeech root> to build it")
         audio = SourceAudio.load(data_root, cache.split)
+        speaker = heard_encoder() if spec.heard_voices else None
         Path(pool_dir).mkdir(parents=True, exist_ok=True)
         for k in tqdm(missing, desc=f"encode listen pool ({cache.split})", unit="shard", disable=not progress):
             lo, hi = k * POOL_SHARD, min(spec.layouts, (k + 1) * POOL_SHARD)
-            save_streams(paths[k], [s for i in range(lo, hi) for s in pool_layout(cache, audio, codec, spec, i)], fp)
+            save_streams(paths[k], [s for i in range(lo, hi)
+                                    for s in pool_layout(cache, audio, codec, spec, i, speaker)], fp)
     return [s for k in todo for s in load_streams(paths[k], fp)]
 
 
-def heldout_set(cache, audio: SourceAudio, codec, n: int, seed: int, steps: int = 1024) -> list[SynthStream]:
+def heard_encoder(identity=None):
+    """The speaker encoder the polling loop uses (`identity` config; None: the default config's, whose
+    Resemblyzer and Silero weights ship in registry wheels), for heard voice tracks."""
+    from egomem.config import load_config
+    from egomem.identity.voice import build_speaker_encoder
+
+    return build_speaker_encoder(identity if identity is not None else load_config(None).identity)
+
+
+def heldout_set(cache, audio: SourceAudio, codec, n: int, seed: int, steps: int = 1024, speaker=None
+                ) -> list[SynthStream]:
     """n clean then n noised held-out streams, layouts from rng([seed, 0 / 1]) as the spliced benchmarks
-    draw them, listen rows encoded whole (what tests/data/trigger/heldout_listen.npz holds)."""
+    draw them, listen rows encoded whole (what tests/data/trigger/heldout_listen.npz holds); with a
+    `speaker` encoder, each with its heard voice track (the same streams: the track draws nothing)."""
     from egomem.trigger.synth import StreamSpec
 
     out = []
     for noised in (False, True):
         rng = np.random.default_rng([seed, int(noised)])
-        out += [draw_stream(cache, rng, StreamSpec(steps=steps), noised, (audio, codec)) for _ in range(n)]
+        out += [draw_stream(cache, rng, StreamSpec(steps=steps), noised, (audio, codec), speaker) for _ in range(n)]
     return out
 
 
@@ -273,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", default=None, help="a:b, shard indices to build (default all)")
     p.add_argument("--voice-shift", type=float, default=0.0, help="as egomem train-trigger --voice-shift")
+    p.add_argument("--heard-voices", action="store_true", help="as egomem train-trigger --heard-voices")
     p.add_argument("--heldout-set", type=Path, default=None,
                    help="instead: write the test's held-out set (48 clean + 48 noised streams, seed 2024) here")
     args = p.parse_args(argv)
@@ -283,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     fp = codec_fingerprint(codec)
     if args.heldout_set is not None:
         held = CodeCache.load(cache_path(args.cache_dir, "heldout", fp, args.seed))
-        streams = heldout_set(held, SourceAudio.load(args.data, "heldout"), codec, 48, 2024)
+        streams = heldout_set(held, SourceAudio.load(args.data, "heldout"), codec, 48, 2024,
+                              speaker=heard_encoder() if args.heard_voices else None)
         save_streams(args.heldout_set, streams, fp)
         print(f"{len(streams)} streams -> {args.heldout_set}")
         return 0
@@ -291,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if not path.is_file():
         raise SystemExit(f"no code cache {path}: run egomem train-trigger --data ... once to build it")
     cache = CodeCache.load(path)
-    spec = PoolSpec(layouts=args.layouts, seed=args.seed, voice_shift=args.voice_shift)
+    spec = PoolSpec(layouts=args.layouts, seed=args.seed, voice_shift=args.voice_shift, heard_voices=args.heard_voices)
     shards = None
     if args.shards:
         a, b = (int(v) for v in args.shards.split(":"))

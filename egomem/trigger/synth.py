@@ -375,6 +375,9 @@ class SynthStream:
     # the assistant's echo on the listen row: (cache.assistant index, its first utterance step, stream step, steps)
     echoes: list[tuple[int, int, int, int]] = field(default_factory=list)
     snr_db: float | None = None  # noised, listen row encoded whole: the background's SNR to the users' speech
+    # the voice track as the polling loop records it from the listen row's audio (listen_audio.heard_voices);
+    # None: read it from the cache's per-utterance partials (poll_voices)
+    voices: list[tuple[int, np.ndarray]] | None = None
 
 
 def synth_stream(cache: CodeCache, rng: np.random.Generator, spec: StreamSpec, noised: bool
@@ -530,13 +533,14 @@ def poll_voices(cache: CodeCache, stream: SynthStream, poll_steps: int = 25, win
 def track_features(cache: CodeCache, stream: SynthStream, dim: int, window_steps: int,
                    rng: np.random.Generator | None = None, drop_track_p: float = 0.0,
                    drop_poll_p: float = 0.0) -> np.ndarray:
-    """The voice features [T, dim + 2] a trigger reading the voice track gets for this stream
-    (`poll_voices` -> `voice_track.voice_features`). In training (`rng`), the whole track is dropped
+    """The voice features [T, dim + 2] a trigger reading the voice track gets for this stream (its heard
+    track `stream.voices` when it has one, else `poll_voices`; -> `voice_track.voice_features`). In
+    training (`rng`), the whole track is dropped
     with `drop_track_p` (a chunk recorded without speaker encoder: the trigger must still label from
     the codes) and each poll with `drop_poll_p` (a missed poll); no draw is made when both are 0."""
     from egomem.trigger.voice_track import voice_features
 
-    track = poll_voices(cache, stream, window_steps=window_steps)
+    track = stream.voices if stream.voices is not None else poll_voices(cache, stream, window_steps=window_steps)
     if rng is not None and (drop_track_p > 0 or drop_poll_p > 0):
         keep = rng.random(len(track)) >= drop_poll_p
         track = [] if rng.random() < drop_track_p else [p for p, k in zip(track, keep) if k]

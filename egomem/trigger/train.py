@@ -129,11 +129,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--noised-share", type=float, default=None,
                    help="share of the pool's short training streams drawn from its noised copies (default: "
                         "uniform over the pool, i.e. half); more weighs the noised condition up")
+    p.add_argument("--heard-voices", action="store_true",
+                   help="the pool's streams and the held-out ones read the voice track serving records (the speaker "
+                        "encoder on the last 3 s of each stream's laid-out audio every 2 s: listen_audio.heard_voices), "
+                        "not the cached utterances' partials; needs --listen-pool")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: fastest on a shared 2-core machine, and reproducible; 0: torch's default)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
+    if args.heard_voices and not args.listen_pool:
+        p.error("--heard-voices embeds each stream's laid-out audio: it needs --listen-pool")
     if args.voice_shift < 0:
         p.error(f"--voice-shift is a range in semitones, 0 or more (got {args.voice_shift})")
     if args.noised_share is not None and not 0 <= args.noised_share <= 1:
@@ -172,20 +178,21 @@ def voices_of(model: TriggerModel, cache: CodeCache, streams: list, rng: np.rand
 @torch.no_grad()
 def evaluate_model(model: TriggerModel, cache: CodeCache, n: int, seed: int, noised: bool,
                    spec: StreamSpec | None = None, decoding: TriggerConfig | None = None,
-                   voices: bool = True, listen: tuple | None = None) -> dict:
+                   voices: bool = True, listen: tuple | None = None, speaker=None) -> dict:
     """span metrics on n held-out streams (seeded: the same streams for every model), decoded as the
     labeler decodes (`configured_decode`: `decoding`'s gap rule, minimum session length, boundary
     refinement).
     A trigger that reads the voice track gets the streams' polls unless `voices` is False.
     `listen` = (SourceAudio, codec): each stream's listen row encoded whole from audio (`listen_audio`),
-    the noise of a noised one added to that audio; else spliced from the cache's codes."""
+    the noise of a noised one added to that audio; else spliced from the cache's codes. With a `speaker`
+    encoder (and `listen`), the voice track is the one heard from that audio (`listen_audio.heard_voices`)."""
     decoding = decoding or TriggerConfig()
     spec = spec or StreamSpec(steps=1024)
     rng = np.random.default_rng([seed, 7, int(noised)])
     preds, golds = [], []
     model.eval()
     for _ in range(n):
-        st = draw_stream(cache, rng, spec, noised, listen)
+        st = draw_stream(cache, rng, spec, noised, listen, speaker)
         v = voices_of(model, cache, [st]) if voices else None
         log_probs = torch.log_softmax(model(torch.from_numpy(st.tokens)[None], v)[0], -1).numpy()  # T,4
         preds.append(decode_sessions(configured_decode(log_probs, decoding)))
@@ -276,11 +283,12 @@ RESUME_RECIPE = {
     "drop_poll_p": "--drop-poll-p (voice dropout)", "code_aug_p": "--code-aug-p", "pool_streams": "--listen-pool",
     "activity_weight": "--activity-weight", "codebook_emb": "--codebook-emb", "draw_seed": "--draw-seed",
     "init_weights": "--init-weights", "voice_shift": "--voice-shift", "noised_share": "--noised-share",
+    "heard_voices": "--heard-voices",
 }
 # what a state saved before a recipe field existed ran with (draw_seed: its seed, model_cfg: today's defaults)
 RESUME_BEFORE = {"total_steps": None, "voice_change_weight": 0.0, "drop_track_p": 0.0, "drop_poll_p": 0.0,
                  "code_aug_p": 0.0, "pool_streams": 0, "activity_weight": 0.0, "codebook_emb": "off",
-                 "init_weights": "", "voice_shift": 0.0, "noised_share": None}
+                 "init_weights": "", "voice_shift": 0.0, "noised_share": None, "heard_voices": False}
 
 
 def pool_batch(rng: np.random.Generator, streams: list[SynthStream], batch: int,
@@ -300,7 +308,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
         long_p: float = 0.0, voice_change_weight: float = 0.0, drop_track_p: float = 0.0,
         drop_poll_p: float = 0.0, code_aug_p: float = 0.0, pool: list[SynthStream] | None = None,
         activity_weight: float = 0.0, codebook_emb: str = "off", draw_seed: int | None = None,
-        init_weights: str = "", voice_shift: float = 0.0, noised_share: float | None = None) -> list[float]:
+        init_weights: str = "", voice_shift: float = 0.0, noised_share: float | None = None,
+        heard_voices: bool = False) -> list[float]:
     """Train `model` in place for `steps` optimiser steps; returns the loss of every step so far.
 
     A share `long_p` of the steps trains on ONE stream of 1024..`max_stream_steps` steps instead of
@@ -320,7 +329,8 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
     `codebook_emb` names how the caller initialised the audio embeddings (`init_audio_emb_from_codebooks`;
     a resume refuses another), and a frozen table stays out of the optimiser. `init_weights` names the
     checkpoint the caller loaded into `model` ("" for a fresh network; a resume refuses another), and
-    `voice_shift` the pool's (`listen_audio.PoolSpec`) and `noised_share` the batches' (likewise).
+    `voice_shift` and `heard_voices` the pool's (`listen_audio.PoolSpec`) and `noised_share` the batches'
+    (likewise).
 
     With `ckpt`, state (weights, optimiser, schedule, step, losses) is saved atomically every
     `ckpt_every` steps and a run resumes from it. Batch s is drawn from rng([seed, s]), so a resumed
@@ -349,7 +359,7 @@ def fit(model: TriggerModel, cache: CodeCache, *, steps: int, batch: int, stream
               "voice_change_weight": voice_change_weight, "drop_track_p": drop_track_p, "drop_poll_p": drop_poll_p,
               "code_aug_p": code_aug_p, "pool_streams": len(pool or []), "activity_weight": activity_weight,
               "codebook_emb": codebook_emb, "draw_seed": draw_seed, "init_weights": init_weights,
-              "voice_shift": voice_shift, "noised_share": noised_share}
+              "voice_shift": voice_shift, "noised_share": noised_share, "heard_voices": heard_voices}
     assert recipe.keys() == RESUME_RECIPE.keys()
     start, losses = 0, []
     if ckpt is not None and ckpt.is_file() and resume:
@@ -436,16 +446,17 @@ def train(args: argparse.Namespace) -> dict:
     held_cache = load_or_build_cache(args, codec, fp, "heldout")
     model = make_model(cfg.trigger, args.seed, int(np.ceil(cfg.orchestrator.identify_window_s / STEP_S - 1e-9)),
                        dropout=args.dropout)
-    pool, listen = None, None
+    pool, listen, speaker = None, None, None
     if args.listen_pool:
-        from egomem.trigger.listen_audio import PoolSpec, SourceAudio, load_or_build_pool
+        from egomem.trigger.listen_audio import PoolSpec, SourceAudio, heard_encoder, load_or_build_pool
 
         if args.data is None:
             raise SystemExit("--listen-pool evaluates on held-out audio: pass --data <LibriSpeech root>")
         spec = PoolSpec(layouts=args.listen_pool, steps=args.stream_steps, max_steps=args.max_stream_steps,
-                        seed=args.seed, voice_shift=args.voice_shift)
+                        seed=args.seed, voice_shift=args.voice_shift, heard_voices=args.heard_voices)
         pool = load_or_build_pool(args.cache_dir, train_cache, codec, spec, args.data)
         listen = (SourceAudio.load(args.data, "heldout"), codec)
+        speaker = heard_encoder(cfg.identity) if args.heard_voices else None
     if args.codebook_emb != "off":
         init_audio_emb_from_codebooks(model, codebook_vectors(codec), args.codebook_emb == "frozen")
     if args.init_weights is not None:
@@ -459,10 +470,10 @@ def train(args: argparse.Namespace) -> dict:
                  drop_poll_p=args.drop_poll_p, code_aug_p=args.code_aug_p, pool=pool,
                  activity_weight=args.activity_weight, codebook_emb=args.codebook_emb, draw_seed=args.draw_seed,
                  init_weights=str(args.init_weights or ""), voice_shift=args.voice_shift,
-                 noised_share=args.noised_share)
+                 noised_share=args.noised_share, heard_voices=args.heard_voices)
     train_s = time.time() - t0
     results = {cond: evaluate_model(model, held_cache, args.eval_streams, args.seed, noised=(cond == "noised"),
-                                 decoding=cfg.trigger, listen=listen)
+                                 decoding=cfg.trigger, listen=listen, speaker=speaker)
                for cond in ("clean", "noised")}
     meta = {
         "codec_fingerprint": fp,
@@ -475,6 +486,7 @@ def train(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "init_weights": str(args.init_weights or ""),
         "voice_shift": args.voice_shift,
+        "heard_voices": args.heard_voices,
         "noised_share": args.noised_share,
         "final_loss": float(np.mean(losses[-50:])) if losses else float("nan"),
         "heldout": json.dumps(results),
