@@ -4,7 +4,8 @@ benchmark's bar on held-out synthetic streams (held-out users and assistant utte
 Bar: `egomem.trigger.metrics.SHIPPED_BAR` (Jaccard and span_match F1@5 per condition), the same bar
 bench/bench_trigger.py reports on 200 streams per condition; here 48 clean + 48 noised streams (24 left
 F1@5 swinging by +-0.05 from one checkpoint to the next at equal 200-stream figures), their listen rows
-encoded whole from audio by the default codec as serving encodes them (tests/data/trigger/heldout_listen.npz).
+encoded whole from audio by the default codec as serving encodes them, each with the voice track serving
+records from that audio (`listen_audio.heard_voices`; tests/data/trigger/heldout_listen.npz).
 """
 
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from egomem.trigger import SHIPPED_CHECKPOINT, TriggerLabeler, decode_sessions
 from egomem.trigger.metrics import SHIPPED_BAR, evaluate
-from egomem.trigger.synth import CodeCache, poll_voices
+from egomem.trigger.synth import CodeCache
 
 CACHE = Path(__file__).parent / "data" / "trigger" / "heldout_codes.npz"
 LISTEN = Path(__file__).parent / "data" / "trigger" / "heldout_listen.npz"
@@ -48,10 +49,10 @@ def test_shipped_checkpoint_reaches_the_bar(labeler, cond):
 
     cache = CodeCache.load(CACHE)
     streams = [s for s in load_streams(LISTEN, cache.fingerprint) if s.noised == (cond == "noised")]
-    assert len(streams) == 48 and all(s.tokens.shape == (1024, 17) for s in streams)
+    assert len(streams) == 48 and all(s.tokens.shape == (1024, 17) and s.voices is not None for s in streams)
     preds, golds = [], []
     for s in streams:
-        preds.append(decode_sessions(labeler.label(s.tokens, poll_voices(cache, s))))  # the track, as the manager hands it
+        preds.append(decode_sessions(labeler.label(s.tokens, s.voices)))  # the heard track, as the manager hands it
         golds.append(s.sessions)
     m = evaluate(preds, golds)
     assert m["gold_sessions"] >= 80

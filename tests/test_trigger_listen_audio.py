@@ -215,10 +215,11 @@ def test_the_heard_voice_track_polls_the_speaker_encoder_on_the_last_window_of_t
     assert float(first @ ref_a) > float(last @ ref_a) + 0.1
 
 
-def test_a_heard_voices_pool_stores_each_streams_heard_track_and_training_reads_it(cache, codec, tmp_path, monkeypatch):
+def test_a_heard_voices_pool_stores_each_streams_heard_track_and_training_reads_it(cache, tmp_path, monkeypatch):
     """`PoolSpec.heard_voices` (`train-trigger --heard-voices`): each pool stream carries the track the polling
     loop would record from its laid-out audio (the same streams otherwise, their own shard names), the shard
     keeps it through save and load, and `track_features` reads it instead of the cached partials."""
+    codec = build_codec(MimiConfig())  # its own: the module's codec may be left streaming by the test above
     import soundfile as sf
     from scipy.signal import resample_poly
 
@@ -256,7 +257,8 @@ def test_a_heard_voices_pool_stores_each_streams_heard_track_and_training_reads_
     wave, _, _ = la.listen_waveform(layout, audio, rng, False)
     again = heard_voices(wave, heard_encoder())
     assert [t for t, _ in again] == [t for t, _ in heard[2].voices] and again
-    np.testing.assert_allclose(np.stack([v for _, v in again]), np.stack([v for _, v in heard[2].voices]), atol=1e-5)
+    np.testing.assert_allclose(np.stack([v for _, v in again]), np.stack([v for _, v in heard[2].voices]),
+                               atol=2e-3)  # stored in float16
     feats = track_features(cache, heard[2], 256, 38)
     np.testing.assert_array_equal(feats, voice_features(heard[2].voices, 160, 256, 38))
     assert not np.array_equal(feats, voice_features(poll_voices(cache, heard[2]), 160, 256, 38))

@@ -239,8 +239,8 @@ def save_streams(path: Path, streams: list[SynthStream], fingerprint: str = "") 
         arrays[f"{j}/background"] = np.array(s.background or "")
         if s.voices is not None:  # the heard track: (step, embedding) rows
             arrays[f"{j}/voice_steps"] = np.asarray([t for t, _ in s.voices], np.int32)
-            arrays[f"{j}/voice_vecs"] = (np.stack([v for _, v in s.voices]).astype(np.float32) if s.voices
-                                         else np.zeros((0, 0), np.float32))  # no poll the gate let through
+            arrays[f"{j}/voice_vecs"] = (np.stack([v for _, v in s.voices]).astype(np.float16) if s.voices
+                                         else np.zeros((0, 0), np.float16))  # float16: unit vectors, half the disk
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez_compressed(tmp, **arrays)
     tmp.replace(path)  # atomic: a killed build leaves no half shard
@@ -255,7 +255,8 @@ def load_streams(path: Path, fingerprint: str | None = None) -> list[SynthStream
     for j in range(len({k.split("/")[0] for k in z.files if "/" in k})):
         voices = None
         if f"{j}/voice_steps" in z.files:
-            voices = [(int(t), v) for t, v in zip(z[f"{j}/voice_steps"], z[f"{j}/voice_vecs"], strict=True)]
+            vecs = z[f"{j}/voice_vecs"].astype(np.float32)
+            voices = [(int(t), v) for t, v in zip(z[f"{j}/voice_steps"], vecs, strict=True)]
         out.append(SynthStream(
             tokens=z[f"{j}/tokens"].astype(np.int64), labels=z[f"{j}/labels"].astype(np.int64),
             sessions=[(int(a), int(b)) for a, b in z[f"{j}/sessions"]],

@@ -11,10 +11,16 @@ data as an uninterrupted one; `--listen-pool 0`: freshly synthesised spliced str
 rows encoded whole); (5) write fp16 weights + metadata to `--out`.
 
 The shipped offline default `egomem/data/trigger_tiny.safetensors` (4.2 MB), trained on the codes
-of the shipped trained tiny codec (`egomem train-codec`), is made by
+of the shipped trained tiny codec (`egomem train-codec`), is session 59's trigger
 
     python -m egomem.trigger.train --data /work/shared/data/speech --seed 0 --steps 3000 --code-aug-p 0.3 \
-        --listen-pool 1600 --codebook-emb init --out egomem/data/trigger_tiny.safetensors
+        --listen-pool 1600 --codebook-emb init --out runs/trigger_s59.safetensors
+
+continued (session 62) on the voice track serving records (`--heard-voices`, a pool of 400 layouts):
+
+    python -m egomem.trigger.train --data /work/shared/data/speech --seed 0 --draw-seed 1 --steps 1000 \
+        --code-aug-p 0.3 --listen-pool 400 --heard-voices --init-weights runs/trigger_s59.safetensors --lr 1e-3 \
+        --out egomem/data/trigger_tiny.safetensors
 
 (LibriSpeech FLAC as in the project's shared data; no espeak/flite needed) with today's defaults:
 `[trigger]` dim 128, 4 layers, audio embedding rank 32, reading the recorded voice track
