@@ -22,8 +22,8 @@ The voice track: by default a stream's polls are read from the cached utterances
 That is not what serving records: the polling loop embeds the last 3 s of the microphone, echo and
 background included, gated by the speaker encoder's VAD. `heard_voices` plays that over the laid-out
 audio, and a pool built with `PoolSpec.heard_voices` stores each stream's heard track (`SynthStream.voices`)
-for training to read (session 62: the shipped trigger, trained on cached tracks, loses 0.19 clean and
-0.22 noised span F1@5 when it reads heard ones; docs/trigger.md).
+for training to read (session 62: session 59's trigger, trained on cached tracks, lost 0.19 clean and
+0.22 noised span F1@5 when it read heard ones; docs/trigger.md).
 """
 
 from __future__ import annotations
@@ -135,10 +135,12 @@ def heard_voices(wave: np.ndarray, encoder, poll_steps: int = 25, window_steps: 
 
 
 def encode_listen(stream: SynthStream, audio: SourceAudio, codec, rng: np.random.Generator, noised: bool,
-                  voice_shift: float = 0.0) -> SynthStream:
-    """A copy of `stream` whose listen row is `listen_waveform` encoded in one pass by `codec`."""
+                  voice_shift: float = 0.0, speaker=None) -> SynthStream:
+    """A copy of `stream` whose listen row is `listen_waveform` encoded in one pass by `codec`; with a
+    `speaker` encoder, also its heard voice track (`heard_voices`; it draws nothing from `rng`)."""
     wave, kind, snr = listen_waveform(stream, audio, rng, noised, voice_shift)
-    return with_listen_row(stream, codec, wave, kind, snr)
+    s = with_listen_row(stream, codec, wave, kind, snr)
+    return s if speaker is None else dataclasses.replace(s, voices=heard_voices(wave, speaker))
 
 
 def with_listen_row(stream: SynthStream, codec, wave: np.ndarray, background: str | None = None,
@@ -166,10 +168,7 @@ def draw_stream(cache, rng: np.random.Generator, spec, noised: bool, listen: tup
             raise ValueError("a heard voice track needs the stream's audio: pass listen=(SourceAudio, codec)")
         return synth_recorded(cache, rng, spec, noised=noised)
     audio, codec = listen
-    layout = synth_recorded(cache, rng, spec, noised=False)
-    wave, kind, snr = listen_waveform(layout, audio, rng, noised)
-    s = with_listen_row(layout, codec, wave, kind, snr)
-    return s if speaker is None else dataclasses.replace(s, voices=heard_voices(wave, speaker))
+    return encode_listen(synth_recorded(cache, rng, spec, noised=False), audio, codec, rng, noised, speaker=speaker)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,12 +216,9 @@ def pool_layout(cache, audio: SourceAudio, codec, spec: PoolSpec, i: int, speake
     rng = np.random.default_rng([spec.seed, 100, i])
     steps = int(rng.integers(1024, spec.max_steps + 1)) if rng.random() < spec.long_p else spec.steps
     layout = synth_recorded(cache, rng, StreamSpec(steps=steps), noised=False)
-    out = []
-    for noised in (False, True):
-        wave, kind, snr = listen_waveform(layout, audio, rng, noised, spec.voice_shift)
-        s = with_listen_row(layout, codec, wave, kind, snr)
-        out.append(dataclasses.replace(s, voices=heard_voices(wave, speaker)) if spec.heard_voices else s)
-    return out[0], out[1]
+    speaker = speaker if spec.heard_voices else None
+    return (encode_listen(layout, audio, codec, rng, False, spec.voice_shift, speaker),
+            encode_listen(layout, audio, codec, rng, True, spec.voice_shift, speaker))
 
 
 def save_streams(path: Path, streams: list[SynthStream], fingerprint: str = "") -> None:
