@@ -4,7 +4,8 @@ The shipped trigger's held-out noised span F1@5 is 0.72 against issue #14's 0.80
 shifted sessions start late: over noise the tagger hears a user's first words late (docs/trigger.md).
 This diagnosis draws `bench/bench_trigger.py`'s held-out streams (same seed, same streams, listen row
 laid out as audio and encoded whole) and labels each with the shipped trigger three ways:
-  - trigger: the row as serving encodes it (what the benchmark measures);
+  - trigger: the row as serving encodes it, with the cached voice track (`synth.poll_voices`; what the
+    benchmark measured before session 62; `heard` below is what it measures now);
   - rnnoise: the row's audio through RNNoise (the `pyrnnoise` wheel's librnnoise, its weights compiled
     in; 48 kHz, 10 ms frames, its two-frame lag removed) before the codec, the trigger unchanged;
   - vad_onset: the trigger's sessions, each start after a gap moved back to the onset of the Silero VAD
@@ -200,8 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [f for f in front_ends if f not in ("rnnoise", "vad_onset", "heard", "heard_noecho", "novoice")
                and not f.startswith(("codec:", "trigger:", "heard+trigger:"))]
     if unknown:
-        raise SystemExit(f"unknown --front-ends {unknown}; allowed: rnnoise, vad_onset, heard, codec:<path>, "
-                         "trigger:<path>, heard+trigger:<path>")
+        raise SystemExit(f"unknown --front-ends {unknown}; allowed: rnnoise, vad_onset, heard, heard_noecho, "
+                         "novoice, codec:<path>, trigger:<path>, heard+trigger:<path>")
     denoise = RNNoise() if "rnnoise" in front_ends else None
     vad = SileroSteps() if "vad_onset" in front_ends else None
     codecs = {f: other_codec(Path(f.split(":", 1)[1])) for f in front_ends if f.startswith("codec:")}
@@ -209,9 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
                 for f in front_ends if f.startswith(("trigger:", "heard+trigger:"))}
     speaker = None
     if any(f.startswith("heard") for f in front_ends):
-        from egomem.identity.voice import build_speaker_encoder
+        from egomem.trigger.listen_audio import heard_encoder
 
-        speaker = build_speaker_encoder(load_config(None).identity)
+        speaker = heard_encoder()
     tcfg = TriggerConfig()
     labeler = TriggerLabeler(tcfg)
     cache = CodeCache.load(DEFAULT_CACHE)
