@@ -77,6 +77,7 @@ from egomem.trigger.synth import (
     CodeCache,
     StreamSpec,
     poll_voices,
+    recorded_voices,
     synth_recorded,
 )
 
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         golds, polls, backgrounds, snrs = [], 0, [], []
         for _ in range(args.streams):
             s = draw_stream(cache, rng, cspec, noised, listen, speaker)
-            voices = s.voices if s.voices is not None else poll_voices(cache, s)
+            voices = recorded_voices(cache, s)
             polls += len(voices)
             log_probs = labeler.log_probs(s.tokens, voices)
             pred = decode_sessions(configured_decode(log_probs, tcfg))  # = labeler.label(s.tokens, voices)
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         golds = []
         for _ in range(args.long_streams):
             s = draw_stream(cache, rng, cspec, noised, listen, speaker)
-            voices = s.voices if s.voices is not None else poll_voices(cache, s)
+            voices = recorded_voices(cache, s)
             out["trigger"].append(decode_sessions(labeler.label(s.tokens, voices)))
             out["trigger_one_pass"].append(decode_sessions(one_pass.label(s.tokens, voices)))
             out["activity_peer"].append(activity_segmenter(s.tokens))

@@ -14,7 +14,7 @@ import pytest
 
 from egomem.trigger import SHIPPED_CHECKPOINT, TriggerLabeler, decode_sessions
 from egomem.trigger.metrics import SHIPPED_BAR, evaluate
-from egomem.trigger.synth import CodeCache
+from egomem.trigger.synth import CodeCache, recorded_voices
 
 CACHE = Path(__file__).parent / "data" / "trigger" / "heldout_codes.npz"
 LISTEN = Path(__file__).parent / "data" / "trigger" / "heldout_listen.npz"
@@ -52,7 +52,7 @@ def test_shipped_checkpoint_reaches_the_bar(labeler, cond):
     assert len(streams) == 48 and all(s.tokens.shape == (1024, 17) and s.voices is not None for s in streams)
     preds, golds = [], []
     for s in streams:
-        preds.append(decode_sessions(labeler.label(s.tokens, s.voices)))  # the heard track, as the manager hands it
+        preds.append(decode_sessions(labeler.label(s.tokens, recorded_voices(cache, s))))  # the heard track, as the manager hands it
         golds.append(s.sessions)
     m = evaluate(preds, golds)
     assert m["gold_sessions"] >= 80

@@ -263,9 +263,10 @@ def load_streams(path: Path, fingerprint: str | None = None) -> list[SynthStream
 
 
 def load_or_build_pool(pool_dir: Path, cache, codec, spec: PoolSpec, data_root: Path | None,
-                       shards: range | None = None, progress: bool = True) -> list[SynthStream]:
+                       shards: range | None = None, progress: bool = True, speaker=None) -> list[SynthStream]:
     """The pool's streams (2 per layout), building the missing shards from `data_root`'s audio.
-    `shards` limits a call to some shard indices (to build them in several processes at once)."""
+    `shards` limits a call to some shard indices (to build them in several processes at once); `speaker`:
+    the encoder a `spec.heard_voices` pool hears with (None: the default config's, `heard_encoder`)."""
     from tqdm import tqdm
 
     from egomem.trigger.codec import codec_fingerprint
@@ -282,7 +283,8 @@ def load_or_build_pool(pool_dir: Path, cache, codec, spec: PoolSpec, data_root: 
         if data_root is None:
             raise SystemExit(f"listen pool {paths[missing[0]]} is missing: pass --data <LibriSpeech root> to build it")
         audio = SourceAudio.load(data_root, cache.split)
-        speaker = heard_encoder() if spec.heard_voices else None
+        if spec.heard_voices and speaker is None:
+            speaker = heard_encoder()
         Path(pool_dir).mkdir(parents=True, exist_ok=True)
         for k in tqdm(missing, desc=f"encode listen pool ({cache.split})", unit="shard", disable=not progress):
             lo, hi = k * POOL_SHARD, min(spec.layouts, (k + 1) * POOL_SHARD)

@@ -530,6 +530,12 @@ def poll_voices(cache: CodeCache, stream: SynthStream, poll_steps: int = 25, win
     return out
 
 
+def recorded_voices(cache: CodeCache, stream: SynthStream, window_steps: int = 38) -> list[tuple[int, np.ndarray]]:
+    """The voice polls the memory manager hands the trigger for this stream: its heard track when it has
+    one (`stream.voices`, listen_audio.heard_voices), else the cached partials' (`poll_voices`)."""
+    return stream.voices if stream.voices is not None else poll_voices(cache, stream, window_steps=window_steps)
+
+
 def track_features(cache: CodeCache, stream: SynthStream, dim: int, window_steps: int,
                    rng: np.random.Generator | None = None, drop_track_p: float = 0.0,
                    drop_poll_p: float = 0.0) -> np.ndarray:
@@ -540,7 +546,7 @@ def track_features(cache: CodeCache, stream: SynthStream, dim: int, window_steps
     the codes) and each poll with `drop_poll_p` (a missed poll); no draw is made when both are 0."""
     from egomem.trigger.voice_track import voice_features
 
-    track = stream.voices if stream.voices is not None else poll_voices(cache, stream, window_steps=window_steps)
+    track = recorded_voices(cache, stream, window_steps)
     if rng is not None and (drop_track_p > 0 or drop_poll_p > 0):
         keep = rng.random(len(track)) >= drop_poll_p
         track = [] if rng.random() < drop_track_p else [p for p, k in zip(track, keep) if k]

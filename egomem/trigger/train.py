@@ -460,9 +460,9 @@ def train(args: argparse.Namespace) -> dict:
             raise SystemExit("--listen-pool evaluates on held-out audio: pass --data <LibriSpeech root>")
         spec = PoolSpec(layouts=args.listen_pool, steps=args.stream_steps, max_steps=args.max_stream_steps,
                         seed=args.seed, voice_shift=args.voice_shift, heard_voices=args.heard_voices)
-        pool = load_or_build_pool(args.cache_dir, train_cache, codec, spec, args.data)
+        speaker = heard_encoder(cfg.identity) if args.heard_voices else None  # one encoder: the pool's and the eval's
+        pool = load_or_build_pool(args.cache_dir, train_cache, codec, spec, args.data, speaker=speaker)
         listen = (SourceAudio.load(args.data, "heldout"), codec)
-        speaker = heard_encoder(cfg.identity) if args.heard_voices else None
     if args.codebook_emb != "off":
         init_audio_emb_from_codebooks(model, codebook_vectors(codec), args.codebook_emb == "frozen")
     if args.init_weights is not None:
